@@ -2,7 +2,9 @@
 
 `collect` resets G environment slots per task, then each turn renders the prompt of every active
 trajectory, generates all responses in one sampler call, parses the actions and steps all
-environments in one `EnvPool.step_batch`. It returns a `RolloutBatch`: one record per step, in
+environments in one `EnvPool.step_batch`. In whole-history mode a sampler that keeps its KV cache
+(`salt_jax.sampling.Sampler`) continues each trajectory from its previous turn, prefilling only
+the tokens the turn adds. It returns a `RolloutBatch`: one record per step, in
 trajectory-major order (all steps of trajectory 0, then 1, ...), carrying the ids every step-level
 method needs (group = task, trajectory, step index), as verl-agent's one row per step with `uid` and
 `traj_uid`.
@@ -46,11 +48,14 @@ class SampleOutputLike(Protocol):
   policy_logprobs: list  # f32[n_i] under the raw model at temperature 1: the old log-probs
   texts: Optional[list]  # decoded text, or None (the loop decodes with the tokenizer)
   finish_reasons: list
+  # Optionally reused_tokens: int, prompt tokens read from a kept KV cache (0 when absent).
 
 
 class SamplerFn(Protocol):
   """Any callable with the sampler's signature. One that also takes `decode_fn` gets the
-  tokenizer's decode (stop strings need it)."""
+  tokenizer's decode (stop strings need it); one that also takes `continue_rows` and
+  `keep_cache` and has `clear_cache()` (as `salt_jax.sampling.Sampler`) continues each
+  whole-history conversation from its previous turn's KV cache."""
 
   def __call__(self, prompts: list[list[int]], key: Any, *, max_new_tokens: int,
                temperature: float, top_p: float, top_k: int, greedy: bool,
@@ -93,7 +98,9 @@ class RolloutBatch:
     first_observations.
   whole_history: the prompts are one prefix-consistent stream per trajectory (enables the
     one-sequence-per-trajectory layout).
-  metrics: valid_action_ratio, success_rate, gen_time_s, env_time_s, env_wait_fraction, ...
+  metrics: valid_action_ratio, success_rate, gen_time_s, env_time_s, env_wait_fraction,
+    prompt_tokens (over all turns) and reused_prompt_tokens (read from a kept KV cache rather
+    than prefilled), ...
   """
 
   prompt_ids: list
@@ -274,12 +281,13 @@ class TextPolicySampler:
     return out
 
 
-def _takes_decode_fn(sampler) -> bool:
+def _takes(sampler, name: str) -> bool:
+  """The sampler accepts keyword `name` (or any keyword)."""
   try:
     params = inspect.signature(sampler).parameters
   except (TypeError, ValueError):
     return False
-  return "decode_fn" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+  return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def _check_output(out, n: int) -> None:
@@ -299,7 +307,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
             *, prompt_config: PromptConfig = PromptConfig(), max_steps: int = 50,
             max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
             invalid_action_penalty: float = 0.1, seed: int = 0,
-            max_prompt_tokens: Optional[int] = None, slot_offset: int = 0) -> RolloutBatch:
+            max_prompt_tokens: Optional[int] = None, slot_offset: int = 0,
+            reuse_cache: bool = True) -> RolloutBatch:
   """Plays `group_size` trajectories of every task; returns their steps (see `RolloutBatch`).
 
   Args:
@@ -319,6 +328,9 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     max_prompt_tokens: a trajectory whose next prompt would be longer ends there (truncated);
       set it to what the sampler's cache holds minus max_new_tokens.
     slot_offset: first pool slot used (slots slot_offset .. slot_offset + T - 1).
+    reuse_cache: in whole-history mode, with a sampler that can (see `SamplerFn`), each turn
+      after the first continues every trajectory from its previous turn's KV cache, so only the
+      new tokens are prefilled. The rollout is the same either way (up to float rounding).
   Returns:
     RolloutBatch.
   """
@@ -338,13 +350,18 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     raise ValueError(f"invalid_action_penalty must be >= 0, got {invalid_action_penalty}")
   if max_prompt_tokens is not None and max_prompt_tokens < 1:
     raise ValueError(f"max_prompt_tokens must be None or >= 1, got {max_prompt_tokens}")
+  if not isinstance(reuse_cache, bool):
+    raise ValueError(f"reuse_cache must be a bool, got {reuse_cache!r}")
 
   prompter = Prompter(tokenizer, prompt_config)
   kwargs = dict(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, top_k=sampling.top_k, greedy=sampling.greedy,
                 stop_strings=tuple(sampling.stop_strings))
-  if _takes_decode_fn(sampler):
+  if _takes(sampler, "decode_fn"):
     kwargs["decode_fn"] = tokenizer.decode
+  # Whole-history prompts extend the previous prompt + response, so the cache carries over.
+  reuse = (reuse_cache and prompt_config.history_window is None
+           and _takes(sampler, "continue_rows") and hasattr(sampler, "clear_cache"))
   n_traj = len(tasks) * group_size
   traj_task = [tasks[i // group_size] for i in range(n_traj)]
   steps: list[list[dict]] = [[] for _ in range(n_traj)]
@@ -355,7 +372,9 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
   first_obs = [""] * n_traj
   convs: list = [None] * n_traj
   admissible: list = [None] * n_traj
+  row_of = np.full(n_traj, -1)  # each trajectory's row in the last sampler call
   gen_s = env_s = 0.0
+  prompt_tokens = reused_tokens = 0
   t_start = time.perf_counter()
   restarts_before = int(getattr(env_pool, "restarts", 0))
 
@@ -382,10 +401,16 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     turns += 1
     key, sub = jax.random.split(key)
     prompts = [list(convs[i].prompt_ids) for i in active]
+    if reuse:
+      kwargs["keep_cache"] = True
+      kwargs["continue_rows"] = None if turns == 1 else [int(row_of[i]) for i in active]
+      row_of[active] = np.arange(len(active))
     t0 = time.perf_counter()
     out = sampler(prompts, sub, **kwargs)
     gen_s += time.perf_counter() - t0
     _check_output(out, len(active))
+    prompt_tokens += sum(len(p) for p in prompts)
+    reused_tokens += int(getattr(out, "reused_tokens", 0))
     texts = out.texts if out.texts is not None else [
         tokenizer.decode([int(t) for t in toks]) for toks in out.tokens]
     parsed = [parse_action(texts[j], admissible[i]) for j, i in enumerate(active)]
@@ -408,6 +433,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       admissible[i] = r.admissible_actions
       if not r.done:
         convs[i].advance(resp, p.action, r.observation, r.admissible_actions)
+  if reuse:
+    sampler.clear_cache()  # the kept cache is as large as the rollout's: free it for training
   truncated |= ~done  # out of max_steps while the env was still going
 
   flat = [s for traj in steps for s in traj]
@@ -433,6 +460,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       num_trajectories=n_traj, num_failed=int(failed.sum()), num_steps=len(flat),
       mean_steps=float(num_steps[ok].mean()) if ok.any() else float("nan"), turns=turns,
       response_tokens=int(sum(len(s["response_ids"]) for s in flat)),
+      prompt_tokens=prompt_tokens, reused_prompt_tokens=reused_tokens,
       gen_time_s=gen_s, env_time_s=env_s, other_time_s=total_s - gen_s - env_s,
       total_time_s=total_s,
       env_wait_fraction=env_s / (env_s + gen_s) if env_s + gen_s > 0 else float("nan"),

@@ -21,6 +21,17 @@ With stop strings, the loop runs in chunks of `stop_check_every` steps and the h
 text between chunks, marking rows that produced a stop string as done (the loop state is donated
 back to the device, so the cache is updated in place).
 
+Continuing a conversation (`keep_cache=True`, then `continue_rows`): an agent's next prompt is
+usually the previous prompt + the sampled response + a new user turn. A call with keep_cache=True
+keeps its cache on the device; the next call may name, for each prompt, the kept row it extends.
+The host checks that each prompt really starts with that row's cached tokens (prompt + response,
+less the response's last token, which was never fed back), gathers those rows (jnp.take over the
+batch axis) and prefills only the new suffixes, left-padded to a prompt bucket, into the slots
+after the last slot any row wrote. Slots a row wrote that its returned response does not hold
+(after a stop-string cut, or past its end) are masked out; RoPE positions are explicit, so the gap
+is harmless. When any prompt cannot continue, or the suffix would overflow the cache, the call
+falls back to a full prefill: same result, more work.
+
 Randomness: row r at step i draws with `fold_in(fold_in(key, r), i)`, so a prompt's sample depends
 only on the key, its index in the list and the step, never on the batch bucket.
 """
@@ -60,6 +71,8 @@ class SampleOutput:
     texts: decode_fn(tokens) per prompt, or None when no decode_fn was given.
     finish_reasons: 'eos', 'stop' or 'length' per prompt.
     num_steps: decode steps the loop ran (< max_new_tokens when every row finished early).
+    reused_tokens: prompt tokens read from the kept cache instead of prefilled (0 unless the call
+      continued the previous one).
   """
 
   tokens: list[np.ndarray]
@@ -68,6 +81,7 @@ class SampleOutput:
   texts: list[str] | None
   finish_reasons: list[str]
   num_steps: int = 0
+  reused_tokens: int = 0
 
 
 class _Knobs(NamedTuple):
@@ -87,10 +101,12 @@ class _Mode(NamedTuple):
 
 
 class _LoopState(NamedTuple):
-  """The decode loop's carry. B: batch bucket, S: cache length, N = S - P + 1 output columns."""
+  """The decode loop's carry. B: batch bucket, S: cache length, P: prompt (or suffix) bucket,
+  N = S - P + 1 output columns (start >= P - 1, so at most N steps fit)."""
 
   cache: Any              # the model's KVCache pytree
   cache_mask: jax.Array   # bool[B, S] slots holding real tokens
+  start: jax.Array        # i32[] slot written by decode step 0 (the last prompt token's)
   last_token: jax.Array   # i32[B] token fed at the next step
   last_pos: jax.Array     # i32[B] its position id
   step: jax.Array         # i32[] tokens generated so far (the next output column)
@@ -100,6 +116,27 @@ class _LoopState(NamedTuple):
   logprobs: jax.Array     # f32[B, N] under the sampling distribution
   policy_logprobs: jax.Array  # f32[B, N] under the raw model
   row_keys: jax.Array     # key[B] one PRNG key per row
+
+
+class _Kept(NamedTuple):
+  """A call's cache, kept for the next call to continue (keep_cache=True)."""
+
+  cache: Any               # the model's KVCache, batch bucket rows
+  cursor: int              # first slot that no row has written
+  seqs: list[np.ndarray]   # per prompt: the tokens whose keys and values the cache holds, in order
+  slots: np.ndarray        # bool[n, S]: the slots holding them
+
+
+class _Plan(NamedTuple):
+  """How one call fills the cache: a suffix per prompt written at `cursor` (host arrays)."""
+
+  tokens: np.ndarray       # i32[B, P] left-padded suffixes (whole prompts for a full prefill)
+  positions: np.ndarray    # i32[B, P] their position ids (0 on padding)
+  suffix_mask: np.ndarray  # bool[B, P] True on real suffix tokens
+  cursor: int              # slot of the suffix bucket's first column
+  rows: np.ndarray | None  # i32[B] kept row each row continues; None: a full prefill
+  keep: np.ndarray | None  # bool[B, S] kept slots each row attends to; None: a full prefill
+  reused: int              # prompt tokens read from the kept cache
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -212,15 +249,21 @@ class Sampler:
     The sampler splits the model once: the state it keeps holds the model's own nnx.Variables,
     so in-place parameter updates (an nnx.Optimizer step, nnx.update) are seen by every call
     without any work here. Changing static structure (e.g. `shard_model`, which sets the model's
-    activation sharding) needs a refresh, which also drops the compiled programs.
+    activation sharding) needs a refresh, which also drops the compiled programs and any kept
+    cache.
     """
     self._graphdef, self._state = nnx.split(self.model)
+    self._kept: _Kept | None = None
     # The graphdef is closed over rather than passed as a static argument, so no call pays for
     # hashing it. The loop state (cache included) is donated to each decode chunk, so XLA
     # updates it in place.
     self._prefill = jax.jit(functools.partial(self._prefill_impl, self._graphdef))
     self._decode = jax.jit(functools.partial(self._decode_impl, self._graphdef),
                            static_argnames=("mode",), donate_argnums=(1,))
+
+  def clear_cache(self) -> None:
+    """Frees the cache a keep_cache=True call kept (a call that does not keep one frees it too)."""
+    self._kept = None
 
   # ---------------------------------------------------------------- device programs
 
@@ -237,36 +280,48 @@ class Sampler:
     spec = P(DATA_AXIS, *([None] * (jnp.ndim(x) - 1)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def _prefill_impl(self, graphdef, state, tokens, positions, prompt_mask, n_real, key):
-    """Writes the first P-1 prompt slots to a fresh cache and sets up the loop state.
+  def _prefill_impl(self, graphdef, state, kept_cache, rows, keep, tokens, positions,
+                    suffix_mask, cursor, n_real, key):
+    """Writes all but the last suffix token to the cache at `cursor`; sets up the loop state.
+
+    A full prefill is the case with no kept cache: a fresh cache, cursor 0, whole prompts.
 
     Args:
       graphdef: the model's static nnx.GraphDef.
       state: its nnx.State.
-      tokens: i32[B, P] left-padded prompts.
+      kept_cache: the previous call's KVCache to continue, or None for a fresh cache.
+      rows: i32[B] the kept row each row continues (None with kept_cache None).
+      keep: bool[B, S] kept slots each row attends to, all before `cursor` (None likewise).
+      tokens: i32[B, P] left-padded suffixes.
       positions: i32[B, P] position ids (0 on padding).
-      prompt_mask: bool[B, P] True on real prompt tokens.
+      suffix_mask: bool[B, P] True on real suffix tokens.
+      cursor: i32[] slot of the first suffix column (traced: no recompile as a rollout grows).
       n_real: i32[] prompts in the batch; rows from n_real on are padding and start done.
       key: the call's PRNG key.
     Returns:
-      _LoopState at step 0, with the last prompt token queued.
+      _LoopState at step 0, with the last suffix token queued for slot cursor + P - 1.
     """
     self.num_traces += 1
     b, p = tokens.shape
     s = self.max_cache_len
     model = nnx.merge(graphdef, state)
-    cache = model.init_cache(b, s, dtype=self.cache_dtype)
-    cache_mask = jnp.zeros((b, s), bool).at[:, :p].set(prompt_mask)
-    cache_mask = self._constrain_batch(cache_mask)
+    if kept_cache is None:
+      cache = model.init_cache(b, s, dtype=self.cache_dtype)
+      keep = jnp.zeros((b, s), bool)
+    else:
+      cache = jax.tree.map(lambda x: jnp.take(x, rows, axis=1), kept_cache)  # [L, B, S, K, H]
+    keep = self._constrain_batch(keep)
+    cache_mask = self._constrain_batch(
+        jax.lax.dynamic_update_slice(keep, suffix_mask, (0, cursor)))
     if p > 1:
-      # Slot P-1 is written by the first decode step; it is not yet in the mask.
-      pre_mask = cache_mask.at[:, p - 1].set(False)
-      _, cache = model.forward_cached(tokens[:, :-1], positions[:, :-1], cache,
-                                      jnp.int32(0), pre_mask)
+      # The last suffix slot is written by the first decode step; it is not yet in the mask.
+      pre_mask = jax.lax.dynamic_update_slice(keep, suffix_mask.at[:, -1].set(False), (0, cursor))
+      _, cache = model.forward_cached(tokens[:, :-1], positions[:, :-1], cache, cursor, pre_mask)
     n = s - p + 1
     return _LoopState(
         cache=cache,
         cache_mask=cache_mask,
+        start=jnp.asarray(cursor + p - 1, jnp.int32),
         last_token=tokens[:, -1],
         last_pos=positions[:, -1],
         step=jnp.int32(0),
@@ -293,14 +348,13 @@ class Sampler:
     """
     self.num_traces += 1
     model = nnx.merge(graphdef, state)
-    p = self.max_cache_len - loop.tokens.shape[1] + 1
     eos = jnp.asarray(self.eos_token_ids, jnp.int32)
 
     def cond(c: _LoopState):
       return (c.step < stop_at) & ~jnp.all(c.done)
 
     def body(c: _LoopState):
-      slot = p - 1 + c.step
+      slot = c.start + c.step
       mask = jax.lax.dynamic_update_slice(c.cache_mask, jnp.ones((c.done.shape[0], 1), bool),
                                           (0, slot))
       logits, cache = model.forward_cached(c.last_token[:, None], c.last_pos[:, None], c.cache,
@@ -313,6 +367,7 @@ class Sampler:
       return _LoopState(
           cache=cache,
           cache_mask=mask,
+          start=c.start,
           last_token=tok,
           last_pos=c.last_pos + 1,
           step=c.step + 1,
@@ -350,13 +405,60 @@ class Sampler:
     return room if b is None else b  # one extra shape per max_new_tokens, still compiled once
 
   def _put(self, x):
-    if self.mesh is None:
+    if self.mesh is None or x is None:
       return x  # jit moves numpy inputs itself
     spec = P(DATA_AXIS, *([None] * (np.ndim(x) - 1)))
     return jax.device_put(x, NamedSharding(self.mesh, spec))
 
+  def _layout(self, suffixes: Sequence[Sequence[int]], bases: Sequence[int], bucket: int,
+              bb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Left-pads suffixes to [bb, bucket]; suffix i's positions start at bases[i].
+
+    Returns (tokens, positions, suffix_mask). Dummy rows get one real-looking token so their
+    attention is never empty; they start done.
+    """
+    tokens = np.full((bb, bucket), self.pad_token_id, np.int32)
+    positions = np.zeros((bb, bucket), np.int32)
+    mask = np.zeros((bb, bucket), bool)
+    for i, (x, base) in enumerate(zip(suffixes, bases)):
+      l = len(x)
+      tokens[i, bucket - l:] = np.asarray(x, np.int32)
+      positions[i, bucket - l:] = base + np.arange(l, dtype=np.int32)
+      mask[i, bucket - l:] = True
+    mask[len(suffixes):, -1] = True
+    return tokens, positions, mask
+
+  def _plan_full(self, prompts, bb: int, max_new_tokens: int) -> _Plan:
+    pb = self._prompt_bucket(max(len(p) for p in prompts), max_new_tokens)
+    tokens, positions, mask = self._layout(prompts, [0] * len(prompts), pb, bb)
+    return _Plan(tokens, positions, mask, cursor=0, rows=None, keep=None, reused=0)
+
+  def _plan_continuation(self, prompts, continue_rows, kept: _Kept, bb: int,
+                         max_new_tokens: int) -> _Plan | None:
+    """A plan that prefills only what each prompt adds to its kept row, or None when a prompt
+    does not extend its row or the suffixes would overflow the cache."""
+    suffixes, bases = [], []
+    for p, r in zip(prompts, continue_rows):
+      seq = None if r is None else kept.seqs[r]
+      if seq is None or len(p) <= len(seq) or not np.array_equal(
+          np.asarray(p[:len(seq)], np.int64), seq):
+        return None
+      suffixes.append(p[len(seq):])
+      bases.append(len(seq))
+    sb = _bucket(max(len(x) for x in suffixes), self.prompt_buckets)
+    if sb is None or kept.cursor + sb - 1 + max_new_tokens > self.max_cache_len:
+      return None  # a full prefill packs the rows into the cache again
+    tokens, positions, mask = self._layout(suffixes, bases, sb, bb)
+    n = len(prompts)
+    rows = np.zeros(bb, np.int32)  # dummy rows gather row 0 and attend to none of it
+    rows[:n] = np.asarray(continue_rows, np.int32)
+    keep = np.zeros((bb, self.max_cache_len), bool)
+    keep[:n] = kept.slots[rows[:n]]
+    return _Plan(tokens, positions, mask, cursor=kept.cursor, rows=rows, keep=keep,
+                 reused=int(sum(bases)))
+
   def _validate(self, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings,
-                decode_fn):
+                decode_fn, continue_rows, keep_cache):
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
       raise ValueError("prompts must be a non-empty list of token-id lists")
     vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
@@ -383,11 +485,28 @@ class Sampler:
       raise ValueError("stop_strings must not contain an empty string")
     if stop_strings and decode_fn is None:
       raise ValueError("stop_strings need a decode_fn (token ids -> text) to be detected")
+    if not isinstance(keep_cache, bool):
+      raise ValueError(f"keep_cache must be a bool, got {keep_cache!r}")
+    if continue_rows is None:
+      return
+    if isinstance(continue_rows, (str, bytes)) or len(continue_rows) != len(prompts):
+      raise ValueError(f"continue_rows must give one kept row (or None) per prompt: "
+                       f"{len(prompts)} entries")
+    kept = len(self._kept.seqs) if self._kept is not None else None
+    for i, r in enumerate(continue_rows):
+      if r is None:
+        continue
+      if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0 \
+          or (kept is not None and r >= kept):
+        raise ValueError(f"continue_rows[{i}] = {r!r} is not a kept row index "
+                         f"(the last call kept {kept} rows)")
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array, *, max_new_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                greedy: bool = False, stop_strings: Sequence[str] = (),
-               decode_fn: Callable[[list[int]], str] | None = None) -> SampleOutput:
+               decode_fn: Callable[[list[int]], str] | None = None,
+               continue_rows: Sequence[int | None] | None = None,
+               keep_cache: bool = False) -> SampleOutput:
     """Samples up to `max_new_tokens` new tokens for each prompt.
 
     Args:
@@ -400,13 +519,23 @@ class Sampler:
       greedy: argmax decoding (ignores temperature, top_p, top_k and the key).
       stop_strings: a row stops at the first token whose decoded text completes one of these.
       decode_fn: token ids -> text (e.g. a tokenizer's decode); needed for stop strings and texts.
+      continue_rows: per prompt, the index (in the previous call's prompt list) of the kept row
+        whose prompt + response this prompt extends, or None. When every prompt extends its row
+        and the cache has room, only the new suffixes are prefilled; otherwise the call does a
+        full prefill. The output is the same either way (up to float rounding). The kept keys
+        and values are those of the model at the previous call: do not continue across a
+        parameter update.
+      keep_cache: keep this call's cache on the device so the next call can continue it (it is
+        freed by the next call, or `clear_cache`).
     Returns:
       SampleOutput, one entry per prompt.
     """
     stop_strings = tuple(stop_strings)
     if isinstance(prompts, np.ndarray):  # a rectangular batch: one prompt per row
       prompts = list(prompts)
-    self._validate(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn)
+    self._validate(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn,
+                   continue_rows, keep_cache)
+    kept, self._kept = self._kept, None  # freed once this call is done with it
     max_new_tokens = int(max_new_tokens)
     n = len(prompts)
     greedy = bool(greedy) or temperature == 0
@@ -415,27 +544,22 @@ class Sampler:
     k_filters = k > 0 and (vocab is None or k < vocab)
     mode = _Mode(greedy=greedy, filtered=not greedy and (k_filters or top_p < 1.0))
 
-    lens = [len(p) for p in prompts]
-    pb = self._prompt_bucket(max(lens), max_new_tokens)
     bb = self._pad_batch(n)
-    tokens = np.full((bb, pb), self.pad_token_id, np.int32)
-    positions = np.zeros((bb, pb), np.int32)
-    prompt_mask = np.zeros((bb, pb), bool)
-    for i, p in enumerate(prompts):
-      l = len(p)
-      tokens[i, pb - l:] = np.asarray(p, np.int32)
-      positions[i, pb - l:] = np.arange(l, dtype=np.int32)
-      prompt_mask[i, pb - l:] = True
-    # Dummy rows: one real-looking token so their attention is never empty; marked done below.
-    prompt_mask[n:, -1] = True
+    plan = None
+    if continue_rows is not None and kept is not None:
+      plan = self._plan_continuation(prompts, continue_rows, kept, bb, max_new_tokens)
+    if plan is None:
+      plan = self._plan_full(prompts, bb, max_new_tokens)
     # numpy scalars: jit takes them as traced values without a device dispatch each.
     knobs = _Knobs(temperature=np.float32(max(temperature, 1e-6)), top_p=np.float32(top_p),
                    top_k=np.int32(k if k_filters else np.iinfo(np.int32).max),
                    max_new=np.int32(max_new_tokens))
 
     state = self._state
-    loop = self._prefill(state, self._put(tokens), self._put(positions), self._put(prompt_mask),
-                         np.int32(n), key)
+    loop = self._prefill(state, None if plan.rows is None else kept.cache, self._put(plan.rows),
+                         self._put(plan.keep), self._put(plan.tokens), self._put(plan.positions),
+                         self._put(plan.suffix_mask), np.int32(plan.cursor), np.int32(n), key)
+    del kept  # the gathered rows are all this call needs
 
     stopped = np.zeros(bb, bool)
     if not stop_strings:
@@ -461,7 +585,7 @@ class Sampler:
         (loop.tokens, loop.logprobs, loop.policy_logprobs, loop.lengths, loop.step))
     out = SampleOutput(tokens=[], logprobs=[], policy_logprobs=[],
                        texts=[] if decode_fn is not None else None, finish_reasons=[],
-                       num_steps=int(steps))
+                       num_steps=int(steps), reused_tokens=plan.reused)
     eos = np.asarray(self.eos_token_ids)
     for i in range(n):
       m = int(lengths[i])
@@ -477,7 +601,23 @@ class Sampler:
       out.finish_reasons.append(reason)
       if decode_fn is not None:
         out.texts.append(decode_fn(out.tokens[-1].tolist()))
+    if keep_cache:
+      self._kept = self._keep(loop.cache, plan, prompts, out.tokens, int(steps))
     return out
+
+  def _keep(self, cache, plan: _Plan, prompts, responses, steps: int) -> _Kept:
+    """What the cache holds after a call: per row, its kept slots, then the suffix and the
+    response, less the response's last token (sampled, never fed back). Slots written past a
+    returned response (a stop-string cut, a finished row) are not kept."""
+    n = len(prompts)
+    start = plan.cursor + plan.tokens.shape[1] - 1  # slot of decode step 0
+    slots = np.zeros((n, self.max_cache_len), bool) if plan.keep is None else plan.keep[:n].copy()
+    seqs = []
+    for i in range(n):
+      suffix_len = int(plan.suffix_mask[i].sum())
+      slots[i, start + 1 - suffix_len:start + len(responses[i])] = True
+      seqs.append(np.concatenate([np.asarray(prompts[i], np.int32), responses[i]])[:-1])
+    return _Kept(cache=cache, cursor=start + steps, seqs=seqs, slots=slots)
 
 
 def _find_stop(text: str, stop_strings: Sequence[str]) -> bool:

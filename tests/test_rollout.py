@@ -233,6 +233,50 @@ def test_stop_strings_and_decode_fn_are_passed_through():
       "<|im_end|>\n<|im_start|>user\n")
 
 
+class ContinuingSampler(TextPolicySampler):
+  """A scripted sampler that takes `Sampler`'s cache arguments and checks what collect asks:
+  each continued prompt must extend its named row's prompt + response."""
+
+  def __init__(self, *a, **kw):
+    super().__init__(*a, **kw)
+    self.asked, self.kept, self.cleared = [], None, 0
+
+  def __call__(self, prompts, key, *, continue_rows=None, keep_cache=False, **kw):
+    self.asked.append(continue_rows)
+    if continue_rows is not None:
+      for p, r in zip(prompts, continue_rows):
+        assert list(p[:len(self.kept[r])]) == self.kept[r] and len(p) > len(self.kept[r])
+    out = super().__call__(prompts, key, **kw)
+    self.kept = [list(p) + t.tolist() for p, t in zip(prompts, out.tokens)] if keep_cache else None
+    return out
+
+  def clear_cache(self):
+    self.cleared += 1
+
+
+def test_collect_asks_to_continue_each_trajectory_from_its_last_row():
+  """Trajectories end at different turns, so the batch shrinks and rows move."""
+  kw = dict(group_size=3, tasks=TASKS, key=jax.random.key(0), seed=5)
+  with EnvPool("toy", ENV_KW, 0) as pool:
+    runs = {}
+    for name, extra in (("reuse", {}), ("off", dict(reuse_cache=False)),
+                        ("window", dict(prompt_config=PromptConfig(history_window=2)))):
+      sampler = ContinuingSampler(TOK, oracle(p_garbage=0.3), lp_fn)
+      runs[name] = (collect(pool, sampler=sampler, tokenizer=TOK, **kw, **extra), sampler)
+  b, sampler = runs["reuse"]
+  check_against_replay(b)
+  assert sampler.asked[0] is None and all(a is not None for a in sampler.asked[1:])
+  assert [len(c) for c in sampler.calls] != [len(sampler.calls[0])] * len(sampler.calls)
+  assert sampler.cleared == 1
+  off, off_sampler = runs["off"]
+  assert off_sampler.asked == [None] * len(off_sampler.calls) and off_sampler.cleared == 0
+  assert off.actions == b.actions and off.metrics["reused_prompt_tokens"] == 0
+  assert b.metrics["prompt_tokens"] == off.metrics["prompt_tokens"] == sum(
+      len(p) for p in b.prompt_ids)
+  _, window_sampler = runs["window"]
+  assert window_sampler.asked == [None] * len(window_sampler.calls)
+
+
 def test_bad_inputs():
   sampler = TextPolicySampler(TOK, oracle())
   with EnvPool("toy", ENV_KW, 0) as pool:
@@ -248,6 +292,8 @@ def test_bad_inputs():
       collect(pool, TASKS, 2, sampler, TOK, key, invalid_action_penalty=-0.1)
     with pytest.raises(ValueError, match="max_steps"):
       collect(pool, TASKS, 2, sampler, TOK, key, max_steps=0)
+    with pytest.raises(ValueError, match="reuse_cache"):
+      collect(pool, TASKS, 2, sampler, TOK, key, reuse_cache=1)
 
     def short(prompts, key, **kw):
       out = sampler(prompts, key, **kw)
@@ -368,3 +414,48 @@ def test_prompter_bad_templates_and_config():
   for tok in (counting, long_chat):  # windowed prompts render each step alone: any template works
     Prompter(tok, PromptConfig(history_window=2)).start("obs", None).advance([1], "a", "o", None)
   assert admissible_text(None) == "" and admissible_text(["help"]) == "Admissible actions: ."
+
+
+# ---- with the KV-cache sampler ----
+
+@pytest.fixture(scope="module")
+def model_sampler():
+  """A tiny random Qwen2 and a `Sampler` whose cache holds three whole-history toy turns."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from salt_jax.models import CausalLM, ModelConfig  # pylint: disable=import-outside-toplevel
+  from salt_jax.sampling import Sampler  # pylint: disable=import-outside-toplevel
+  config = ModelConfig.tiny(vocab_size=512, max_position_embeddings=1024)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)  # numpy init: one threefry compile per shape is slower on CPU
+  state = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), state)
+  # Suffixes (turn end + next observation) fit 64 slots; first prompts fit 256.
+  return Sampler(nnx.merge(graphdef, state), eos_token_ids=[TOK.eos_token_id],
+                 pad_token_id=TOK.pad_token_id, max_cache_len=512, prompt_buckets=(64, 256),
+                 batch_buckets=(4,))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(greedy=True),
+                                      SamplingParams(temperature=1.0, top_k=40)])
+def test_reusing_the_kv_cache_gives_the_same_rollout(model_sampler, sampling):
+  def play(reuse):
+    with EnvPool("toy", {"max_steps": 30}, 0) as pool:
+      return collect(pool, toy_tasks(2), 2, model_sampler, TOK, jax.random.key(3), max_steps=3,
+                     max_new_tokens=8, max_prompt_tokens=504, sampling=sampling,
+                     reuse_cache=reuse)
+  on, off = play(True), play(False)
+  assert on.num_total_steps == off.num_total_steps == 12
+  for name in ("prompt_ids", "response_ids"):
+    for x, y in zip(getattr(on, name), getattr(off, name)):
+      np.testing.assert_array_equal(x, y)
+  for name in ("old_logprobs", "sample_logprobs"):
+    np.testing.assert_allclose(np.concatenate(getattr(on, name)),
+                               np.concatenate(getattr(off, name)), atol=1e-5)
+  assert on.actions == off.actions and on.observations == off.observations
+  # Turns 2 and 3 read each trajectory's previous prompt + response (less its last token).
+  want = sum(len(on.prompt_ids[k - 1]) + len(on.response_ids[k - 1]) - 1
+             for k in range(on.num_total_steps) if on.step_index[k] > 0)
+  assert on.metrics["reused_prompt_tokens"] == want > 0
+  assert off.metrics["reused_prompt_tokens"] == 0
+  assert on.metrics["prompt_tokens"] == off.metrics["prompt_tokens"]
+  assert model_sampler._kept is None  # pylint: disable=protected-access  (freed after collect)

@@ -253,3 +253,154 @@ def test_sharded_model_on_mesh_and_in_place_updates(setup):
   assert sharded.num_traces == traced
   for prompt, toks in zip(PROMPTS, flipped.tokens):
     assert toks[0] == np.argmin(_log_softmax_full(base, prompt)[-1])
+
+
+# ------------------------------------------------------------------ continuing a kept cache
+
+REUSE_CACHE = 64
+SUFFIX_BUCKET = 8
+FULL_BUCKET = 48  # every grown prompt here fits it: one more program, not one per length
+TURN_MAX_NEW = 8
+# Tokens each later turn appends after a row's prompt + response (ragged user turns).
+EXTRAS = [[[3, 4], [9], [20, 21, 22, 23, 24]],
+          [[60, 61, 62, 63, 64, 65, 66], [12, 13, 14], [70]]]
+
+
+@pytest.fixture(scope="module")
+def reuse_sampler(setup):
+  model, sampler, _, _, _ = setup
+  return Sampler(model, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD,
+                 max_cache_len=REUSE_CACHE, prompt_buckets=(SUFFIX_BUCKET, FULL_BUCKET),
+                 batch_buckets=(4,), stop_check_every=4)
+
+
+def _grow(prompts, out, extras):
+  """The next turn's prompts: prompt + response + the new user turn, per row."""
+  return [list(p) + t.tolist() + e for p, t, e in zip(prompts, out.tokens, extras)]
+
+
+def _assert_same(got, want):
+  assert got.finish_reasons == want.finish_reasons
+  for g, w, gl, wl in zip(got.tokens, want.tokens, got.policy_logprobs, want.policy_logprobs):
+    np.testing.assert_array_equal(g, w)
+    np.testing.assert_allclose(gl, wl, atol=1e-5)
+
+
+def test_continuing_equals_full_prefills_over_turns(setup, reuse_sampler):
+  """Three greedy turns: a row that hit EOS, one cut by a stop string, ragged suffixes, a batch
+  that shrinks and reorders; reuse gives the tokens and log-probs of full prefills."""
+  _, _, _, eos, _ = setup
+  s = reuse_sampler
+  kw = dict(max_new_tokens=TURN_MAX_NEW, greedy=True, decode_fn=_decode)
+  # Reference: full prefills. Turn 2 drops row 1 (finished) and puts row 2 first.
+  ref1 = s(PROMPTS, jax.random.key(0), **kw)
+  assert ref1.finish_reasons[0] == "eos" and ref1.tokens[0][-1] == eos
+  keep = [2, 0]
+  g2 = _grow([PROMPTS[r] for r in keep], _pick(ref1, keep), [EXTRAS[0][r] for r in keep])
+  plain2 = s(g2, jax.random.key(0), **kw)
+  cut_row = next(j for j, t in enumerate(plain2.tokens) if len(set(t[1:-1].tolist())
+                                                              - set(t[:1].tolist())))
+  toks = plain2.tokens[cut_row].tolist()
+  stop = f"w{next(x for x in toks[1:-1] if x != toks[0])} "  # cuts that row mid-response
+  ref2 = s(g2, jax.random.key(0), stop_strings=(stop,), **kw)
+  assert ref2.finish_reasons[cut_row] == "stop"
+  assert len(ref2.tokens[cut_row]) < len(plain2.tokens[cut_row])
+  g3 = _grow(g2, ref2, EXTRAS[1][:2])
+  ref3 = s(g3, jax.random.key(0), **kw)
+  g4 = _grow(g3, ref3, [[5], [6, 7]])
+  sample = dict(max_new_tokens=4, temperature=1.0, top_k=30)
+  ref4 = s(g4, jax.random.key(4), **sample)
+
+  out1 = s(PROMPTS, jax.random.key(0), keep_cache=True, **kw)
+  _assert_same(out1, ref1)
+  assert out1.reused_tokens == 0
+  out2 = s(g2, jax.random.key(0), continue_rows=keep, keep_cache=True, stop_strings=(stop,), **kw)
+  _assert_same(out2, ref2)
+  assert out2.reused_tokens == sum(len(PROMPTS[r]) + len(ref1.tokens[r]) - 1 for r in keep)
+  traced = s.num_traces
+  out3 = s(g3, jax.random.key(0), continue_rows=[0, 1], keep_cache=True, **kw)
+  _assert_same(out3, ref3)
+  assert out3.reused_tokens == sum(len(g) + len(t) - 1 for g, t in zip(g2, ref2.tokens))
+  assert s.num_traces == traced  # a later turn in the same buckets compiles nothing
+  # A sampled turn continues with the same key to the same draws.
+  out4 = s(g4, jax.random.key(4), continue_rows=[0, 1], **sample)
+  assert out4.reused_tokens > 0
+  _assert_same(out4, ref4)
+  np.testing.assert_allclose(np.concatenate(out4.logprobs), np.concatenate(ref4.logprobs),
+                             atol=1e-5)
+
+
+def _pick(out, rows):
+  return SampleOutput(tokens=[out.tokens[r] for r in rows], logprobs=[], policy_logprobs=[],
+                      texts=None, finish_reasons=[])
+
+
+def test_continuing_falls_back_to_a_full_prefill(reuse_sampler):
+  s = reuse_sampler
+  kw = dict(max_new_tokens=TURN_MAX_NEW, greedy=True)
+  g2 = _grow(PROMPTS, s(PROMPTS, jax.random.key(0), keep_cache=True, **kw), EXTRAS[0])
+  want = s(g2, jax.random.key(0), **kw)  # a call that keeps nothing frees the kept cache
+  got = s(g2, jax.random.key(0), continue_rows=[0, 1, 2], **kw)
+  assert got.reused_tokens == 0
+  _assert_same(got, want)
+
+  def kept_then(prompts, rows, max_new=TURN_MAX_NEW):
+    s(PROMPTS, jax.random.key(0), keep_cache=True, **kw)
+    return s(prompts, jax.random.key(0), continue_rows=rows, max_new_tokens=max_new, greedy=True)
+
+  # A prompt that does not extend its row (an edited token, a row that is the wrong one, a
+  # prompt no longer than the cached tokens, a None): all rows are prefilled in full.
+  edited = [list(g) for g in g2]
+  edited[1][0] += 1
+  for prompts, rows in ((edited, [0, 1, 2]), (g2, [0, 2, 1]), (g2, [0, 1, None]),
+                        ([g2[0], PROMPTS[1], g2[2]], [0, 1, 2])):
+    got = kept_then(prompts, rows)
+    assert got.reused_tokens == 0
+    _assert_same(got, s(prompts, jax.random.key(0), **kw))
+  # Cache room: the last decode step writes slot cursor + SUFFIX_BUCKET - 1 + max_new - 1, where
+  # the cursor is the first slot the previous call left unwritten.
+  long = [[(7 * i) % 90 + 1 for i in range(36)]]
+  first = s(long, jax.random.key(0), keep_cache=True, max_new_tokens=4, greedy=True)
+  assert first.num_steps == 4
+  cursor = FULL_BUCKET - 1 + first.num_steps
+  fits = REUSE_CACHE - cursor - SUFFIX_BUCKET + 1
+  assert 1 <= fits < TURN_MAX_NEW, "the test needs a turn that overflows the cache"
+  grown = _grow(long, first, [[9]])
+  assert s(grown, jax.random.key(0), continue_rows=[0], max_new_tokens=fits,
+           greedy=True).reused_tokens > 0
+  s(long, jax.random.key(0), keep_cache=True, max_new_tokens=4, greedy=True)
+  over = s(grown, jax.random.key(0), continue_rows=[0], max_new_tokens=fits + 1, greedy=True)
+  assert over.reused_tokens == 0
+  _assert_same(over, s(grown, jax.random.key(0), max_new_tokens=fits + 1, greedy=True))
+  s.clear_cache()
+  assert s(g2, jax.random.key(0), continue_rows=[0, 1, 2], **kw).reused_tokens == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(continue_rows=[0]), "one kept row"),
+    (dict(continue_rows="ab"), "one kept row"),
+    (dict(continue_rows=[0, -1]), r"continue_rows\[1\]"),
+    (dict(continue_rows=[0, 3]), r"kept 3 rows"),
+    (dict(continue_rows=[True, 0]), r"continue_rows\[0\]"),
+    (dict(continue_rows=[0, 1.0]), r"continue_rows\[1\]"),
+    (dict(keep_cache=1), "keep_cache"),
+])
+def test_bad_continuation_inputs_raise(reuse_sampler, kwargs, match):
+  s = reuse_sampler
+  s(PROMPTS, jax.random.key(0), max_new_tokens=2, greedy=True, keep_cache=True)
+  with pytest.raises(ValueError, match=match):
+    s([[1, 2], [3]], jax.random.key(0), max_new_tokens=2, **kwargs)
+
+
+def test_continuing_on_a_mesh(setup, reuse_sampler):
+  _, _, _, eos, _ = setup
+  kw = dict(max_new_tokens=TURN_MAX_NEW, greedy=True)
+  model = shard_model(_model(), make_mesh("4x2"))
+  sharded = Sampler(model, eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=REUSE_CACHE,
+                    prompt_buckets=(SUFFIX_BUCKET, FULL_BUCKET), batch_buckets=(4,))
+  first = sharded(PROMPTS, jax.random.key(0), keep_cache=True, **kw)
+  _assert_same(first, reuse_sampler(PROMPTS, jax.random.key(0), **kw))
+  g2 = _grow(PROMPTS, first, EXTRAS[0])
+  got = sharded(g2, jax.random.key(0), continue_rows=[0, 1, 2], **kw)
+  assert got.reused_tokens > 0
+  _assert_same(got, reuse_sampler(g2, jax.random.key(0), **kw))
