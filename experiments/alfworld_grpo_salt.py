@@ -4,6 +4,8 @@
   python experiments/alfworld_grpo_salt.py --mesh=4x2      # 8 simulated CPU devices if needed
   python experiments/alfworld_grpo_salt.py --model ~/Qwen2.5-1.5B-Instruct --group-size 8 \\
       --tasks-per-iter 16 --max-steps 50 --max-new-tokens 256 --iters 150   # the paper's shape
+  python experiments/alfworld_grpo_salt.py --distributed --mesh 32x1 ...   # one per host (TPU pod,
+      # SLURM: auto-detected), or --coordinator host0:1234 --num-processes 4 --process-id I
 
 Without --model the policy is a tiny random-init Qwen2 (2 layers, d_model 64, tied embeddings)
 over the offline Qwen2.5 tokenizer: it runs on a CPU in minutes but writes no valid action until
@@ -33,15 +35,16 @@ CPU_DEFAULTS = dict(group_size=4, tasks_per_iter=2, iters=3, max_steps=6, max_ne
 
 
 
-def prepare_devices(mesh: str) -> None:
-  """Before jax is imported: on a host without an accelerator, simulate D*M CPU devices.
+def prepare_devices(mesh: str, num_processes: int = 1) -> None:
+  """Before jax is imported: on a host without an accelerator, simulate this process's share of
+  the D*M devices with CPU devices (all of them with one process).
 
   Raises SystemExit with a clear message for a malformed mesh string.
   """
   m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", mesh or "")
   if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
     raise SystemExit(f"error: --mesh must look like DxM with D, M >= 1 (e.g. 4x2), got {mesh!r}")
-  need = int(m.group(1)) * int(m.group(2))
+  need = -(-int(m.group(1)) * int(m.group(2)) // max(1, num_processes))
   if "jax" in sys.modules:
     return  # too late to change the device count; make_mesh will say if it does not fit
   if need > 1 and not _has_accelerator():
@@ -50,7 +53,7 @@ def prepare_devices(mesh: str) -> None:
                    os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    print(f"[salt-jax] no accelerator: simulating the {mesh} mesh with {need} CPU devices "
+    print(f"[salt-jax] no accelerator: simulating {need} CPU devices of the {mesh} mesh "
           f"(XLA_FLAGS={flag})", flush=True)
 
 
@@ -108,6 +111,15 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
   p.add_argument("--recompute-old-logprobs", action="store_true")
   p.add_argument("--schedule", default="constant", help="constant or cosine")
   p.add_argument("--warmup-steps", type=int, default=0)
+  p.add_argument("--distributed", action="store_true",
+                 help="join several processes (jax.distributed.initialize; without the next "
+                 "three flags the cluster is auto-detected: TPU pod, SLURM, Open MPI)")
+  p.add_argument("--coordinator", default=None, help="host:port of process 0 (implies "
+                 "--distributed)")
+  p.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+  p.add_argument("--process-id", type=int, default=None, help="this process's index")
+  p.add_argument("--init-params", default=None,
+                 help="an orbax params folder to start from (e.g. sft_warmstart.py's)")
   p.add_argument("--sft-warmstart", action="store_true",
                  help="behaviour-clone expert demonstrations first "
                  "(see experiments/sft_warmstart.py)")
@@ -133,8 +145,15 @@ def output_dir(out, resume: bool, root: str) -> str:
 def main(env: str, defaults: dict, argv=None) -> int:
   """Parses flags, validates them before any work, optionally warm-starts, then trains."""
   args = parser(env, defaults).parse_args(argv)
+  args.distributed = args.distributed or any(
+      v is not None for v in (args.coordinator, args.num_processes, args.process_id))
+  if args.distributed and args.sft_warmstart:
+    raise SystemExit("error: --sft-warmstart runs in one process: run experiments/"
+                     "sft_warmstart.py first and pass its params with --init-params")
+  if args.distributed and not args.out:
+    raise SystemExit("error: with several processes pass the same --out to each")
   args.out = output_dir(args.out, args.resume, defaults["out"])
-  prepare_devices(args.mesh)
+  prepare_devices(args.mesh, args.num_processes or 1)
   # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
   from salt_jax.train import TrainConfig, Trainer
   cfg = TrainConfig(
@@ -149,7 +168,8 @@ def main(env: str, defaults: dict, argv=None) -> int:
       layout=args.layout, history_window=args.history_window,
       minibatch_rows=args.minibatch_rows, recompute_old_logprobs=args.recompute_old_logprobs,
       schedule=args.schedule, warmup_steps=args.warmup_steps,
-      init_params=None)
+      init_params=args.init_params, distributed=args.distributed, coordinator=args.coordinator,
+      num_processes=args.num_processes, process_id=args.process_id)
   try:
     cfg.validate()
     trainer = Trainer(cfg)  # forms the mesh: an impossible one fails here

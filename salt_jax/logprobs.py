@@ -2,9 +2,9 @@
 
 The final hidden states are cut along the sequence into chunks of `chunk_size` tokens; a
 `lax.map` projects one chunk at a time onto the vocabulary (h @ W.T), takes its logsumexp and
-the target's logit, and drops the chunk's logits. Each chunk is wrapped in `jax.checkpoint`, so
-the backward pass recomputes a chunk's logits instead of keeping all of them: peak logits memory
-is f32[B, chunk_size, V] in both directions.
+the target's logit, and drops the chunk's logits. With more than one chunk each is wrapped in
+`jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of keeping all of them:
+peak logits memory is f32[B, chunk_size, V] in both directions.
 
   log p(target_t | tokens <= t) = logit[target_t] - logsumexp(logit)
   entropy_t = logsumexp(logit) - sum_v softmax(logit)_v * logit_v
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from salt_jax import _checks
+from salt_jax.models.qwen2 import token_matmul
 
 
 def _chunked(model, input_ids, targets, attention_mask, positions, chunk_size, temperature,
@@ -52,10 +53,9 @@ def _chunked(model, input_ids, targets, attention_mask, positions, chunk_size, t
   shard = getattr(model, "activation_sharding", None)
   inv_temp = 1.0 / float(temperature)
 
-  @jax.checkpoint  # recompute this chunk's logits in the backward pass instead of storing them
   def one_chunk(args):
     h_c, t_c = args
-    logits = jnp.einsum("bcd,vd->bcv", h_c, w, preferred_element_type=jnp.float32)
+    logits = token_matmul(h_c, w.T, 1, preferred_element_type=jnp.float32)
     if shard is not None:
       logits = shard(logits, "logits_btv")
     if inv_temp != 1.0:
@@ -67,6 +67,10 @@ def _chunked(model, input_ids, targets, attention_mask, positions, chunk_size, t
     probs = jnp.exp(logits - lse[..., None])
     return logp, lse - jnp.sum(probs * logits, axis=-1)
 
+  if n_chunks > 1:
+    # Recompute each chunk's logits in the backward pass instead of storing all of them. A single
+    # chunk has nothing to trade: its stored softmax is no bigger than the recomputed logits.
+    one_chunk = jax.checkpoint(one_chunk)
   logp, ent = jax.lax.map(one_chunk, (h, tg))
   unchunk = lambda x: x.transpose(1, 0, 2).reshape(b, n_chunks * chunk)[:, :length]  # noqa: E731
   logp, ent = unchunk(logp), unchunk(ent)

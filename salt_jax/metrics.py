@@ -10,7 +10,8 @@ records
 where data is a serialized `Event` proto and masked_crc32c(x) = ((crc >> 15) | (crc << 17)) +
 0xa282ead8 over CRC-32C (Castagnoli). The first event carries `file_version = "brain.Event:2"`;
 each scalar is an `Event{wall_time, step, summary{value{tag, simple_value}}}`. The protobuf wire
-encoding of these few fields is written by hand below.
+encoding of these few fields is written by hand below, and read back by `decode_event` (tests, and
+`prune_events`, which cuts a resumed run's event files back to its checkpoint).
 """
 
 from __future__ import annotations
@@ -97,27 +98,123 @@ def frame_record(data: bytes) -> bytes:
           + struct.pack("<I", masked_crc32c(data)))
 
 
-def read_records(path: str) -> list[bytes]:
-  """The data of every record in an event file; raises ValueError on a bad length or CRC."""
+def read_records(path: str, *, torn_tail_ok: bool = False) -> list[bytes]:
+  """The data of every record in an event file.
+
+  Args:
+    path: an event file.
+    torn_tail_ok: a last record cut short (a write killed midway) ends the list instead of
+      raising; a CRC mismatch still raises.
+  Raises:
+    ValueError: a truncated record (unless `torn_tail_ok`) or a bad length or data CRC.
+  """
   out = []
   with open(path, "rb") as f:
     buf = f.read()
   i = 0
   while i < len(buf):
     if len(buf) - i < 12:
+      if torn_tail_ok:
+        break
       raise ValueError(f"{path}: truncated record header at byte {i}")
     header = buf[i:i + 8]
     (n,) = struct.unpack("<Q", header)
     (hcrc,) = struct.unpack("<I", buf[i + 8:i + 12])
     if hcrc != masked_crc32c(header):
       raise ValueError(f"{path}: bad length CRC at byte {i}")
+    if len(buf) < i + 16 + n:
+      if torn_tail_ok:
+        break
+      raise ValueError(f"{path}: truncated record data at byte {i}")
     data = buf[i + 12:i + 12 + n]
     (dcrc,) = struct.unpack("<I", buf[i + 12 + n:i + 16 + n])
-    if len(data) != n or dcrc != masked_crc32c(data):
+    if dcrc != masked_crc32c(data):
       raise ValueError(f"{path}: bad data CRC at byte {i}")
     out.append(data)
     i += 16 + n
   return out
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+  n, shift = 0, 0
+  while True:
+    if i >= len(data) or shift > 63:
+      raise ValueError(f"bad varint at byte {i}")
+    b = data[i]
+    n |= (b & 0x7F) << shift
+    i, shift = i + 1, shift + 7
+    if not b & 0x80:
+      return n, i
+
+
+def _fields(data: bytes):
+  """(field number, value) of each protobuf field: int for varint, bytes otherwise."""
+  i = 0
+  while i < len(data):
+    key, i = _read_varint(data, i)
+    field, wire = key >> 3, key & 7
+    if wire == 0:
+      v, i = _read_varint(data, i)
+    elif wire in (1, 5):
+      size = 8 if wire == 1 else 4
+      v, i = data[i:i + size], i + size
+    elif wire == 2:
+      size, i = _read_varint(data, i)
+      v, i = data[i:i + size], i + size
+    else:
+      raise ValueError(f"unsupported protobuf wire type {wire} at byte {i}")
+    if i > len(data):
+      raise ValueError("truncated protobuf field")
+    yield field, v
+
+
+def decode_event(data: bytes) -> dict:
+  """The fields this module writes, read back from one record's data (the inverse of
+  `encode_scalar_event` / `encode_version_event`).
+
+  Returns:
+    {'wall_time': float, 'step': int (0 if absent, as in protobuf)} plus 'file_version': str for
+    a version event, or 'tag': str and 'value': float for a scalar.
+  Raises:
+    ValueError: the bytes are not a well-formed protobuf message.
+  """
+  out = {"wall_time": 0.0, "step": 0}
+  for field, v in _fields(data):
+    if field == 1:
+      out["wall_time"] = struct.unpack("<d", v)[0]
+    elif field == 2:
+      out["step"] = v - (1 << 64) if v >= 1 << 63 else v
+    elif field == 3:
+      out["file_version"] = v.decode("utf-8")
+    elif field == 5:
+      for f, value in _fields(v):
+        if f == 1:
+          for g, x in _fields(value):
+            if g == 1:
+              out["tag"] = x.decode("utf-8")
+            elif g == 2:
+              out["value"] = struct.unpack("<f", x)[0]
+  return out
+
+
+def prune_events(logdir: str, before: int) -> None:
+  """Drops the scalars of steps >= `before` from every event file in `logdir` (a resumed run
+  writes them again), and a torn last record; a file left with no scalar is removed."""
+  if not os.path.isdir(logdir):
+    return
+  for name in sorted(os.listdir(logdir)):
+    if not name.startswith("events.out.tfevents."):
+      continue
+    path = os.path.join(logdir, name)
+    events = [(r, decode_event(r)) for r in read_records(path, torn_tail_ok=True)]
+    kept = [r for r, e in events if "tag" not in e or e["step"] < before]
+    if len(kept) == sum("tag" not in e for _, e in events):  # no scalar left
+      os.remove(path)
+      continue
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+      f.write(b"".join(frame_record(r) for r in kept))
+    os.replace(tmp, path)
 
 
 class EventWriter:
@@ -167,35 +264,46 @@ def _jsonable(v):
 
 
 def read_jsonl(path: str) -> list[dict]:
+  """The rows of a metrics file. A last line without its newline is a write cut short by a kill,
+  not a row: it is left out."""
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = f.read().split("\n")
+  return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 class MetricsLogger:
   """Writes each iteration's flat metrics dict to `<out>/metrics.jsonl` and `<out>/tb/`.
 
-  On resume, lines of iterations at or after the resumed iteration are dropped first (a run
-  killed after logging but before its checkpoint completed logs that iteration again).
+  On resume, rows (jsonl lines and TensorBoard scalars) of iterations at or after the resumed
+  iteration are dropped first: a run killed after logging an iteration but before its checkpoint
+  completed logs that iteration again, so each iteration is in the log once.
+  With write=False (the other processes of a multi-process run) it only builds the rows.
   """
 
   def __init__(self, out_dir: str, *, tensorboard: bool = True,
-               truncate_from: Optional[int] = None):
+               truncate_from: Optional[int] = None, write: bool = True):
+    self.write = write
+    self._tb = None
+    if not write:
+      return
     os.makedirs(out_dir, exist_ok=True)
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
-    if truncate_from is not None and os.path.exists(self.jsonl_path):
-      kept = [r for r in read_jsonl(self.jsonl_path) if r.get("iteration", -1) < truncate_from]
+    start = 0 if truncate_from is None else truncate_from  # a fresh run owns the folder's log
+    if os.path.exists(self.jsonl_path):
+      kept = [r for r in read_jsonl(self.jsonl_path) if r.get("iteration", -1) < start]
       tmp = self.jsonl_path + ".tmp"
       with open(tmp, "w", encoding="utf-8") as f:
         for r in kept:
           f.write(json.dumps(r, sort_keys=True) + "\n")
       os.replace(tmp, self.jsonl_path)
-    elif truncate_from is None and os.path.exists(self.jsonl_path):
-      os.remove(self.jsonl_path)  # a fresh run owns the folder's log
+    prune_events(os.path.join(out_dir, "tb"), start)
     self._tb = EventWriter(os.path.join(out_dir, "tb")) if tensorboard else None
 
   def log(self, iteration: int, metrics: Mapping[str, Any]) -> dict:
     row = {k: _jsonable(v) for k, v in flatten(metrics).items()}
     row["iteration"] = int(iteration)
+    if not self.write:
+      return row
     with open(self.jsonl_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(row, sort_keys=True) + "\n")
     if self._tb is not None:

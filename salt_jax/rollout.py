@@ -447,26 +447,15 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
   outcome = np.where(failed, 0.0, returns - invalid_action_penalty * num_invalid).astype(np.float32)
   group_of = np.arange(n_traj, dtype=np.int32) // group_size
   total_s = time.perf_counter() - t_start
-  ok = ~failed
-  ok_steps = ok[traj_ids]
-  by_type = {}
-  for tt in sorted({t.task_type for t in tasks}):
-    sel = ok & np.array([t.task_type == tt for t in traj_task])
-    by_type[tt] = float(success[sel].mean()) if sel.any() else float("nan")
   metrics = dict(
-      valid_action_ratio=float(valid[ok_steps].mean()) if ok_steps.any() else float("nan"),
-      success_rate=float(success[ok].mean()) if ok.any() else float("nan"),
-      success_rate_by_type=by_type,
-      num_trajectories=n_traj, num_failed=int(failed.sum()), num_steps=len(flat),
-      mean_steps=float(num_steps[ok].mean()) if ok.any() else float("nan"), turns=turns,
+      num_trajectories=n_traj, num_failed=int(failed.sum()), num_steps=len(flat), turns=turns,
       response_tokens=int(sum(len(s["response_ids"]) for s in flat)),
       prompt_tokens=prompt_tokens, reused_prompt_tokens=reused_tokens,
       gen_time_s=gen_s, env_time_s=env_s, other_time_s=total_s - gen_s - env_s,
-      total_time_s=total_s,
-      env_wait_fraction=env_s / (env_s + gen_s) if env_s + gen_s > 0 else float("nan"),
+      total_time_s=total_s, env_wait_fraction=env_wait_fraction(env_s, gen_s),
       env_restarts=int(getattr(env_pool, "restarts", 0)) - restarts_before)
   col = lambda k: [s[k] for s in flat]  # pylint: disable=unnecessary-lambda-assignment
-  return RolloutBatch(
+  batch = RolloutBatch(
       prompt_ids=col("prompt_ids"), response_ids=col("response_ids"),
       old_logprobs=col("old_logprobs"), sample_logprobs=col("sample_logprobs"),
       step_group_ids=group_of[traj_ids], step_traj_ids=traj_ids,
@@ -480,3 +469,26 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       returns=returns, outcome_rewards=outcome, first_observations=first_obs,
       num_groups=len(tasks), invalid_action_penalty=float(invalid_action_penalty),
       whole_history=prompt_config.history_window is None, metrics=metrics)
+  metrics.update(outcome_rates(batch))
+  return batch
+
+
+def outcome_rates(batch: RolloutBatch) -> dict:
+  """Success rate (overall and per task type), valid-action ratio and mean episode length over
+  the batch's trajectories that did not fail (NaN where none is left)."""
+  ok = ~batch.failed
+  ok_steps = ok[batch.step_traj_ids]
+  nan = float("nan")
+  types = np.array(batch.task_types)
+  return dict(
+      success_rate=float(batch.success[ok].mean()) if ok.any() else nan,
+      valid_action_ratio=float(batch.step_valid[ok_steps].mean()) if ok_steps.any() else nan,
+      mean_steps=float(batch.num_steps[ok].mean()) if ok.any() else nan,
+      success_rate_by_type={
+          t: float(batch.success[ok & (types == t)].mean()) if (ok & (types == t)).any() else nan
+          for t in sorted(set(batch.task_types))})
+
+
+def env_wait_fraction(env_s: float, gen_s: float) -> float:
+  """The share of the rollout's busy time spent waiting on environments (vs generating)."""
+  return env_s / (env_s + gen_s) if env_s + gen_s > 0 else float("nan")

@@ -16,8 +16,14 @@ One `Trainer.iteration()` does, in order (each phase timed, as in the paper's co
                gradient is not finite is skipped (params and optimizer state untouched) and counted.
 
 then logs metrics (`metrics.jsonl`, TensorBoard) and saves an orbax checkpoint (params, optimizer
-state, reference params, PRNG key, task sampler position, iteration). SALT on or off changes only
+state, reference params, PRNG key, task sampler position, iteration). A checkpoint is complete or
+absent (orbax writes a temporary folder and renames it), and the log is cut back to the restored
+iteration on resume, so a run killed at any moment resumes as if it had never stopped; the save
+time is logged with the next iteration (`time/checkpoint`). SALT on or off changes only
 the advantages: the PRNG stream, task order, env seeds and every other computation are the same.
+
+With several processes (`TrainConfig.distributed`, `salt_jax.multihost`) each plays its share of
+the tasks and every later phase runs on the gathered global batch, on a mesh over all processes.
 
 Shapes are bucketed so each jitted function compiles once per bucket: trajectories are padded to
 tasks_per_iter * G, steps and merged-edge counts to powers of two, token rows to `minibatch_rows`
@@ -45,6 +51,7 @@ from jax.sharding import NamedSharding
 import salt_jax
 from salt_jax import batching
 from salt_jax import metrics as metrics_lib
+from salt_jax import multihost
 from salt_jax.agent.prompts import PromptConfig
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
 from salt_jax.loss import aggregate
@@ -85,6 +92,10 @@ class TrainConfig:
     min_seq_len, logprob_chunk.
   Run: iters, seed, mesh ('DxM'), out, resume, checkpoint_every, max_to_keep, tensorboard,
     progress.
+  Processes (`salt_jax.multihost`): distributed (join several processes with
+    `jax.distributed.initialize`; coordinator 'host:port', num_processes and process_id, each
+    None: auto-detected from a TPU pod's / SLURM's environment). Each process plays its share of
+    the tasks; the mesh spans all processes' devices; only process 0 writes logs.
   """
 
   env: str = "alfworld"
@@ -147,6 +158,11 @@ class TrainConfig:
   tensorboard: bool = True
   progress: bool = True
 
+  distributed: bool = False
+  coordinator: Optional[str] = None
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+
   def validate(self) -> None:
     """Raises ValueError naming the first bad field (called before any work)."""
     def need(ok, msg):
@@ -178,6 +194,9 @@ class TrainConfig:
     need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
     need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
     need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")
+    need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
+         f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
+         f"{self.embedder!r}")
     need(0 < self.embed_threshold <= 1, f"embed_threshold must be in (0, 1], got "
          f"{self.embed_threshold}")
     need(self.history_window is None or self.history_window >= 0,
@@ -193,6 +212,15 @@ class TrainConfig:
          or os.path.isdir(self.tokenizer),
          f"tokenizer must be 'qwen25', 'toy' or a local folder, got {self.tokenizer!r}")
     parse_mesh_shape(self.mesh)  # the string; whether the devices exist is checked at setup
+    if self.coordinator is not None or self.num_processes is not None \
+        or self.process_id is not None:
+      need(self.distributed, "coordinator / num_processes / process_id need distributed=True")
+    multihost.check_coordinator(self.coordinator)
+    if self.num_processes is not None:
+      pos_int("num_processes")
+      need(self.process_id is None or (isinstance(self.process_id, int)
+                                       and 0 <= self.process_id < self.num_processes),
+           f"process_id must be in [0, {self.num_processes}), got {self.process_id!r}")
 
   def to_json(self) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
@@ -262,12 +290,40 @@ def _prompt_ids(prompts) -> np.ndarray:
 def _build_tokenizer(config: TrainConfig):
   if config.model is not None and os.path.exists(os.path.join(config.model, "tokenizer.json")):
     return _tokenizer(config.model)
+  if config.tokenizer == "toy" and config.env != "toy":
+    return _tokenizer("toy", config.env, json.dumps(config.env_kwargs, sort_keys=True))
   return _tokenizer(config.tokenizer)
 
 
+# Expert episodes whose texts teach the toy tokenizer an environment's words (deterministic).
+_TOY_CORPUS_TASKS, _TOY_CORPUS_STEPS = 4, 8
+
+
+def _env_texts(env: str, env_kwargs: dict) -> list[str]:
+  """Observations and admissible actions of a few expert episodes on `env`'s training split."""
+  # pylint: disable=import-outside-toplevel
+  from envs.registry import make_env, task_list
+  from salt_jax import sft
+  tasks = task_list(env, ENV_TRAIN_SPLIT[env], **env_kwargs)[:_TOY_CORPUS_TASKS]
+  game = make_env(env, **{**env_kwargs, "expert": True, "max_steps": _TOY_CORPUS_STEPS})
+  try:
+    demos = sft.collect_demos(game, tasks, max_steps=_TOY_CORPUS_STEPS, only_won=False)
+  finally:
+    game.close()
+  texts = []
+  for d in demos:
+    texts += [d.first_observation, " ".join(d.first_admissible or ()), *d.observations]
+    texts += [" ".join(a or ()) for a in d.admissible]
+  return texts
+
+
 @functools.lru_cache(maxsize=4)
-def _tokenizer(name: str):
-  """Built once per process (the toy BPE trains for seconds); callers only read it."""
+def _tokenizer(name: str, env: str = "toy", env_kwargs_json: str = "{}"):
+  """Built once per process (the toy BPE trains for seconds); callers only read it.
+
+  'toy' for an env other than the toy one also learns merges from that env's texts, so its
+  prompts are a few times shorter than byte-level ones (what makes CPU-scale studies fit).
+  """
   # pylint: disable=import-outside-toplevel  (heavy or optional: imported when chosen)
   if os.path.isdir(name):
     from salt_jax.models.tokenizer import load_tokenizer
@@ -277,7 +333,9 @@ def _tokenizer(name: str):
     return build_qwen25_tokenizer()
   if name == "toy":
     from salt_jax.agent.prompts import toy_chat_tokenizer
-    return toy_chat_tokenizer()
+    if env == "toy":
+      return toy_chat_tokenizer()
+    return toy_chat_tokenizer(2048, extra_texts=_env_texts(env, json.loads(env_kwargs_json)))
   raise ValueError(f"tokenizer must be 'qwen25', 'toy' or a local folder, got {name!r}")
 
 
@@ -323,7 +381,12 @@ class Trainer:
   def __init__(self, config: TrainConfig):
     config.validate()
     self.config = config
-    self.mesh = make_mesh(config.mesh)  # an unformable mesh fails here, before any work
+    if config.distributed:  # before any other jax use
+      multihost.initialize(config.coordinator, config.num_processes, config.process_id)
+    self.num_processes, self.process_index = jax.process_count(), jax.process_index()
+    devices = None if self.num_processes == 1 else multihost.mesh_devices(
+        *parse_mesh_shape(config.mesh))
+    self.mesh = make_mesh(config.mesh, devices)  # an unformable mesh fails here, before any work
     ckpt_dir = os.path.join(config.out, "checkpoints")
     if not config.resume and os.path.isdir(ckpt_dir) and any(
         n.isdigit() for n in os.listdir(ckpt_dir)):
@@ -335,7 +398,9 @@ class Trainer:
     self.iteration_index = 0
     self.skipped_updates_total = 0
     self.applied_updates = 0  # optimizer steps taken (the schedule's position)
+    self._last_save_s = None  # the last checkpoint's save time, logged with the next row
     self.last_rollout = self.last_minibatches = self.last_step_adv = self.last_advantages = None
+    self.last_local_rollout = None
 
   # ---------------------------------------------------------------- setup
 
@@ -352,6 +417,11 @@ class Trainer:
     self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                       else self.tokenizer.eos_token_id)
     self.model = build_policy(cfg, self.tokenizer, self.mesh)
+    # Processes play different tasks, so each samples on its own devices alone: with several, the
+    # sampler has its own copy of the policy there (`_sync_sampler`).
+    sampler_mesh = self.mesh if self.num_processes == 1 else multihost.local_mesh(self.mesh)
+    self.sampler_model = self.model if self.num_processes == 1 else build_policy(
+        cfg, self.tokenizer, sampler_mesh)
     self.graphdef, params = nnx.split(self.model)
     if cfg.init_params is not None:
       params = load_params(cfg.init_params, params)
@@ -368,6 +438,9 @@ class Trainer:
       return x if named else jax.device_put(x, replicated(self.mesh))
     self.opt_state = jax.tree.map(on_mesh, self.tx.init(params))
     self.key = jax.random.key(cfg.seed)
+    if self.num_processes > 1:  # orbax saves only arrays on the global mesh in such a run
+      self.key = jax.random.wrap_key_data(
+          jax.device_put(jax.random.key_data(self.key), replicated(self.mesh)))
     env_kw = {"max_steps": cfg.max_steps, **cfg.env_kwargs}
     split = cfg.train_split or ENV_TRAIN_SPLIT[cfg.env]
     task_kw = dict(cfg.env_kwargs)
@@ -380,8 +453,8 @@ class Trainer:
     im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
     if isinstance(im_end, int) and im_end >= 0 and im_end != self.tokenizer.unk_token_id:
       eos.add(im_end)
-    self.sampler = Sampler(self.model, eos_token_ids=sorted(eos), pad_token_id=self.pad_id,
-                           max_cache_len=cfg.max_cache_len, mesh=self.mesh,
+    self.sampler = Sampler(self.sampler_model, eos_token_ids=sorted(eos), pad_token_id=self.pad_id,
+                           max_cache_len=cfg.max_cache_len, mesh=sampler_mesh,
                            prompt_buckets=self._prompt_buckets())
     self.embedder = None
     if cfg.salt and cfg.embedder not in (None, "none"):
@@ -395,8 +468,9 @@ class Trainer:
     self._jit()
 
     os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "config.json"), "w", encoding="utf-8") as f:
-      json.dump(cfg.to_json(), f, indent=1, sort_keys=True)
+    if self.process_index == 0:  # the other processes' files would be the same
+      with open(os.path.join(cfg.out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_json(), f, indent=1, sort_keys=True)
     self._ckpt = ocp.CheckpointManager(
         os.path.abspath(os.path.join(cfg.out, "checkpoints")),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.max_to_keep, create=True,
@@ -405,10 +479,18 @@ class Trainer:
     if cfg.resume and self._ckpt.latest_step() is not None:
       self._restore(self._ckpt.latest_step())
       resumed = True
+    self._sync_sampler()
     self._logger = metrics_lib.MetricsLogger(
         cfg.out, tensorboard=cfg.tensorboard,
-        truncate_from=self.iteration_index if resumed else None)
+        truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0)
     return self
+
+  def _sync_sampler(self) -> None:
+    """Gives the sampler's policy the current params (all processes call it together)."""
+    nnx.update(self.model, self.params)
+    if self.sampler_model is not self.model:
+      nnx.update(self.sampler_model, multihost.copy_params(
+          self.params, nnx.state(self.sampler_model), self.mesh))
 
   def _prompt_buckets(self) -> list[int]:
     """Powers of two from `prompt_bucket_min` up to the cache: fewer sampler compiles."""
@@ -493,7 +575,8 @@ class Trainer:
 
   def _config_digest(self) -> str:
     keep = {k: v for k, v in self.config.to_json().items()
-            if k not in ("iters", "out", "resume", "progress", "eval_every", "tensorboard")}
+            if k not in ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
+                         "distributed", "coordinator", "num_processes", "process_id")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
   def save(self) -> None:
@@ -538,6 +621,25 @@ class Trainer:
                    invalid_action_penalty=self.config.invalid_action_penalty, seed=seed,
                    max_prompt_tokens=self.config.max_cache_len - self.config.max_new_tokens)
 
+  def collect_rollout(self, tasks, key, *, seed, group_size, greedy=False):
+    """Plays G = `group_size` trajectories of each task; returns the `RolloutBatch` of them all.
+
+    With several processes, each plays its contiguous share of `tasks` (whole groups) on its
+    own environments and sampler (key folded with its index), and the shares are gathered: every
+    process returns the same global batch. `last_local_rollout` keeps this process's share.
+    """
+    if self.num_processes == 1:
+      self.last_local_rollout = self._rollout(tasks, key, seed=seed, group_size=group_size,
+                                              greedy=greedy)
+      return self.last_local_rollout
+    mine = multihost.share(tasks, self.process_index, self.num_processes)
+    # The key onto this process's devices (the sampler's), as a value: it may live on the mesh.
+    key = jax.random.wrap_key_data(multihost.to_host(jax.random.key_data(key)))
+    self.last_local_rollout = self._rollout(
+        mine, jax.random.fold_in(key, self.process_index), seed=seed, group_size=group_size,
+        greedy=greedy) if mine else None
+    return multihost.concat_rollouts(multihost.allgather_objects(self.last_local_rollout))
+
   def _minibatches(self, tb: batching.TokenBatch) -> list[dict]:
     """Fixed-shape mini-batches of `self.rows` rows (padding rows have an all-False mask)."""
     n = tb.input_ids.shape[0]
@@ -552,7 +654,7 @@ class Trainer:
     res = [self._logprobs(params, self._put(mb["input_ids"]), self._put(mb["targets"]),
                           self._put(mb["attention_mask"]), self._put(mb["positions"]))
            for mb in mbs]
-    return [np.asarray(jax.block_until_ready(r)) for r in res]
+    return [multihost.to_host(r) for r in res]
 
   def iteration(self) -> dict:
     """Runs one training iteration; returns (and logs) its metrics."""
@@ -565,7 +667,8 @@ class Trainer:
 
     # rollout
     t0 = time.perf_counter()
-    full = self._rollout(tasks, k_rollout, seed=cfg.seed * 100_003 + it, group_size=cfg.group_size)
+    full = self.collect_rollout(tasks, k_rollout, seed=cfg.seed * 100_003 + it,
+                                group_size=cfg.group_size)
     times["rollout"] = time.perf_counter() - t0
     rm = full.metrics
     self.last_rollout = full
@@ -573,6 +676,7 @@ class Trainer:
     m: dict[str, Any] = {
         "success_rate": rm["success_rate"], "episode_length": rm["mean_steps"],
         "valid_action_ratio": rm["valid_action_ratio"],
+        "num_trajectories": full.num_trajectories,
         "failed_trajectories": int(full.failed.sum()), "env_restarts": rm["env_restarts"],
         "response_tokens": rm["response_tokens"], "num_steps": batch.num_total_steps,
         "time/rollout_generate": rm["gen_time_s"], "time/rollout_env": rm["env_time_s"],
@@ -623,7 +727,7 @@ class Trainer:
       step_adv = jnp.where(self._put(step_mask), jnp.take(traj_adv, self._put(step_traj)), 0.0)
       step_adv = jax.block_until_ready(step_adv)
       times["advantage"] = time.perf_counter() - t0
-      before = np.asarray(step_adv)[:nsteps]
+      before = multihost.to_host(step_adv)[:nsteps]
 
       # SALT: merge ids on the host, refine on the device
       t0 = time.perf_counter()
@@ -643,7 +747,7 @@ class Trainer:
         m["merge_rate"] = float("nan")
         m["cross_prompt_merges"] = 0
       times["salt"] = time.perf_counter() - t0
-      after = np.asarray(step_adv)[:nsteps]
+      after = multihost.to_host(step_adv)[:nsteps]
       m.update(_stats(before, "adv_before"))
       m.update(_stats(after, "adv_after"))
       m["adv_frac_changed"] = float(np.mean(np.abs(after - before) > 1e-6))
@@ -666,12 +770,18 @@ class Trainer:
       t0 = time.perf_counter()
       m.update(self.evaluate())
       m["time/eval"] = time.perf_counter() - t0
+    if self._last_save_s is not None:
+      m["time/checkpoint"] = self._last_save_s
+    m["time/iteration"] = time.perf_counter() - t_iter
+    # Logged before the checkpoint that covers it: a kill in between leaves a row that the resume
+    # drops and writes again; logged after, a kill in between would lose the row.
+    row = self._logger.log(it, m)
+    self._last_save_s = None
     if self.iteration_index % cfg.checkpoint_every == 0 or self.iteration_index == cfg.iters:
       t0 = time.perf_counter()
       self.save()
-      m["time/checkpoint"] = time.perf_counter() - t0
-    m["time/iteration"] = time.perf_counter() - t_iter
-    return self._logger.log(it, m)
+      self._last_save_s = time.perf_counter() - t0
+    return row
 
   def _update(self, mbs: list[dict], step_adv, key) -> dict:
     cfg = self.config
@@ -695,7 +805,7 @@ class Trainer:
           if k != "skipped":
             sums[k] = sums.get(k, 0.0) + float(v)
     self.skipped_updates_total += skipped
-    nnx.update(self.model, self.params)  # the sampler reads the model's params
+    self._sync_sampler()
     res = {k: v / n for k, v in sums.items()} if n else {
         k: float("nan") for k in ("loss", "grad_norm", "kl", "clip_fraction", "pg_loss",
                                   "ratio_mean", "approx_kl_old", "entropy")}
@@ -713,7 +823,7 @@ class Trainer:
       tasks = task_list(cfg.env, split, **cfg.env_kwargs)[:cfg.num_eval_tasks]
       if not tasks:
         continue
-      b = self._rollout(tasks, key, seed=0, group_size=1, greedy=True)
+      b = self.collect_rollout(tasks, key, seed=0, group_size=1, greedy=True)
       out[f"eval/{split}/success_rate"] = b.metrics["success_rate"]
       out[f"eval/{split}/valid_action_ratio"] = b.metrics["valid_action_ratio"]
       for tt, v in b.metrics["success_rate_by_type"].items():
@@ -730,7 +840,8 @@ class Trainer:
     if self.iteration_index >= cfg.iters:
       print(f"nothing to do: the checkpoint is at iteration {self.iteration_index} "
             f"(--iters={cfg.iters})", flush=True)
-    progress = metrics_lib.Progress(cfg.iters, self.iteration_index) if cfg.progress else None
+    progress = (metrics_lib.Progress(cfg.iters, self.iteration_index)
+                if cfg.progress and self.process_index == 0 else None)
     rows = []
     try:
       while self.iteration_index < cfg.iters:

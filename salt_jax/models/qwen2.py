@@ -16,6 +16,7 @@ Two entry points share one layer stack:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -57,6 +58,38 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + rotated * sin
 
 
+def token_matmul(x: jax.Array, w: jax.Array, n_in: int, **kwargs) -> jax.Array:
+  """Contracts x's last `n_in` axes with w's first `n_in` as one 2-d matmul over all tokens.
+
+  x[*lead, *w.shape[:n_in]], w[*in, *out] -> [*lead, *out]; kwargs go to `jnp.matmul`. The
+  flat token axis matters for training: an einsum over [B, T, ...] differentiates into weight
+  gradients that contract two axes, for which XLA:CPU transposes whole [B*T, F] activations
+  (the MLP's forward + backward ran 1.6x slower than with 2-d matmuls).
+  """
+  lead = x.shape[:x.ndim - n_in]
+  k = math.prod(w.shape[:n_in])
+  y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), **kwargs)
+  return y.reshape(*lead, *w.shape[n_in:])
+
+
+# Bytes of one attention chunk's f32 scores on CPU: a few rows of [N, T, S] that stay in cache.
+_ATTENTION_CHUNK_BYTES = 8 << 20
+
+
+def _attention_rows_per_chunk(batch: int, scores_per_row: int, shard: ActivationSharding) -> int:
+  """Rows of the batch that attend together; all of them unless on a single CPU device.
+
+  On 2 CPU cores, a training step of a 4-layer model (batch 32, 255 tokens) ran 1.25x faster with
+  8 rows at a time than with the whole batch, whose scores and probabilities spill out of cache.
+  Accelerators want the whole batch, and a batch sharded over a mesh must not be cut into a
+  sequential loop.
+  """
+  if shard.mesh is not None or jax.default_backend() != "cpu":
+    return batch
+  rows = max(1, _ATTENTION_CHUNK_BYTES // (4 * scores_per_row))
+  return max(d for d in range(1, min(rows, batch) + 1) if batch % d == 0)
+
+
 def _normal(rngs: nnx.Rngs, shape, dtype):
   return nnx.initializers.normal(_INIT_STD)(rngs.params(), shape, dtype)
 
@@ -96,9 +129,9 @@ class Attention(nnx.Module):
   def project(self, x, cos, sin, shard: ActivationSharding):
     """x[B, T, D] -> q[B, T, N, H], k, v[B, T, K, H], RoPE applied to q and k."""
     dt = self.dtype
-    q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(dt))
+    q = token_matmul(x, self.q_proj[...].astype(dt), 1)
+    k = token_matmul(x, self.k_proj[...].astype(dt), 1)
+    v = token_matmul(x, self.v_proj[...].astype(dt), 1)
     if self.use_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -108,6 +141,21 @@ class Attention(nnx.Module):
 
   def attend(self, q, k, v, mask, shard: ActivationSharding):
     """q[B, T, N, H] over k, v[B, S, K, H] where mask bool[B, T, S] -> out[B, T, D]."""
+    b, t, n, h = q.shape
+    rows = _attention_rows_per_chunk(b, n * t * k.shape[1], shard)
+    if rows == b:
+      out = self._attend_rows(q, k, v, mask)
+    else:
+      # A few rows at a time, so that their f32[rows, N, T, S] scores and probabilities stay in
+      # cache; remat recomputes them in the backward pass instead of storing them all.
+      split = lambda a: a.reshape(b // rows, rows, *a.shape[1:])  # noqa: E731
+      chunk = jax.checkpoint(lambda args: self._attend_rows(*args))
+      out = jax.lax.map(chunk, tuple(split(a) for a in (q, k, v, mask))).reshape(b, t, n, h)
+    out = shard(out, "act_btnh")
+    return token_matmul(out, self.o_proj[...].astype(self.dtype), 2)
+
+  def _attend_rows(self, q, k, v, mask):
+    """Softmax attention of q[B, T, N, H] over k, v[B, S, K, H] -> out[B, T, N, H]."""
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     g = n // kv_heads
@@ -119,9 +167,7 @@ class Attention(nnx.Module):
     scores = jnp.where(mask[:, None, None], scores * self.scale, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).reshape(b, kv_heads, g * t, s)
     out = jnp.einsum("bkqs,bskh->bkqh", probs, v).reshape(b, kv_heads, g, t, h)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-    out = shard(out, "act_btnh")
-    return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(self.dtype))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class MLP(nnx.Module):
@@ -136,10 +182,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x, shard: ActivationSharding):
     dt = self.dtype
-    gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(dt))
-    up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(dt))
+    gate = token_matmul(x, self.gate_proj[...].astype(dt), 1)
+    up = token_matmul(x, self.up_proj[...].astype(dt), 1)
     hidden = shard(jax.nn.silu(gate) * up, "act_btf")
-    return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(dt))
+    return token_matmul(hidden, self.down_proj[...].astype(dt), 1)
 
 
 class DecoderLayer(nnx.Module):
@@ -196,8 +242,7 @@ class CausalLM(nnx.Module):
   def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
     """hidden[B, T, D] -> logits f32[B, T, V] (f32 accumulation even for bf16 weights)."""
     w = self.lm_head_weight().astype(self.dtype)
-    logits = jnp.einsum("btd,vd->btv", hidden.astype(self.dtype), w,
-                        preferred_element_type=jnp.float32)
+    logits = token_matmul(hidden.astype(self.dtype), w.T, 1, preferred_element_type=jnp.float32)
     return self.activation_sharding(logits, "logits_btv")
 
   def _embed(self, input_ids):

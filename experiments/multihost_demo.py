@@ -1,0 +1,226 @@
+"""Two processes on this machine train one model over JAX's CPU collectives: the multi-host path.
+
+  python experiments/multihost_demo.py            # 2 processes x 2 CPU devices, toy env, 2 iters
+  python experiments/multihost_demo.py --check    # and a 1-process run fed the same global batches
+
+A tiny policy is first behaviour-cloned on the toy env (so rewards differ within groups and the
+update moves the params); then `--num-processes` workers join through a coordinator on a free
+local port, each playing its share of every iteration's tasks, and train on one 'data' mesh over
+all their devices. Each worker prints a checksum of its params: they must be identical.
+
+With --check, one process over the same total number of devices replays the recorded global
+batches (`ReplayTrainer`), and its params and metrics are compared with the multi-process run's.
+
+On a cluster, run one process per host with the experiment scripts' flags instead:
+  python experiments/alfworld_grpo_salt.py --distributed --mesh 16x1 ...      # TPU pod / SLURM
+  python experiments/alfworld_grpo_salt.py --coordinator host0:1234 --num-processes 2 \\
+      --process-id 0 --mesh 16x1 ...                                          # on each host
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The toy run: 4 tasks x G=4 per iteration (2 tasks per process), a 2-layer d_model-64 policy.
+TOY = dict(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4,
+           tasks_per_iter=4, num_train_tasks=8, max_steps=4, max_new_tokens=24,
+           max_cache_len=512, prompt_bucket_min=128, env_workers=0, lr=3e-3, kl_coef=0.05,
+           minibatch_rows=4, min_seq_len=64, seed=3, progress=False, tensorboard=False,
+           checkpoint_every=100)  # one checkpoint, after the last iteration
+RECORD = "rollouts.pkl"  # the global batches of the multi-process run, written by process 0
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def params_digest(arrays) -> tuple[str, float]:
+  """(sha256 of the arrays' bytes, sum of their absolute values)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  h, total = hashlib.sha256(), 0.0
+  for x in arrays:
+    h.update(x.tobytes())
+    total += float(np.abs(x.astype(np.float64)).sum())
+  return h.hexdigest(), total
+
+
+def warm_start(out: str) -> str:
+  """Behaviour-clones the toy expert into the tiny policy (one process); returns the params path."""
+  # pylint: disable=import-outside-toplevel
+  from salt_jax.train import TrainConfig
+  from sft_warmstart import warm_start as clone
+  return clone(TrainConfig(**TOY, out=out), steps=40, num_demos=18, lr=1e-2)
+
+
+def worker(args) -> int:
+  """One process of the run: trains `args.iters` iterations, writes process_<i>.json (+ params)."""
+  # Before jax is imported: the number of CPU devices is fixed then.
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from salt_jax.multihost import to_host
+  from salt_jax.train import TrainConfig, Trainer
+
+  class ReplayTrainer(Trainer):
+    """Plays no environment: each iteration trains on the next recorded global batch."""
+
+    def __init__(self, config, batches):
+      super().__init__(config)
+      self._batches = iter(batches)
+
+    def collect_rollout(self, tasks, key, *, seed, group_size, greedy=False):
+      batch = next(self._batches)
+      assert batch.task_ids[::group_size] == [t.task_id for t in tasks]  # same task order
+      return batch
+
+  n = args.num_processes
+  procs = dict(distributed=True, coordinator=args.coordinator, num_processes=n,
+               process_id=args.process_id) if n > 1 else {}
+  cfg = TrainConfig(**TOY, iters=args.iters, out=args.out, init_params=args.init_params,
+                    mesh=f"{n * args.devices}x1", **procs)
+  replay = None
+  if args.replay:
+    with open(args.replay, "rb") as f:
+      replay = pickle.load(f)
+  with (ReplayTrainer(cfg, replay) if replay else Trainer(cfg)) as tr:
+    tr.setup()
+    rows, local_tasks, batches = [], [], []
+    for _ in range(cfg.iters):
+      rows.append(tr.iteration())
+      if tr.last_local_rollout is not None:
+        local_tasks.append(sorted(set(tr.last_local_rollout.task_ids)))
+      batches.append(tr.last_rollout)
+    leaves = [to_host(x) for x in jax.tree.leaves(tr.params)]  # (a collective: all call it)
+  sha, total = params_digest(leaves)
+  p = args.process_id
+  np.savez(os.path.join(args.out, f"params_{p}.npz"), **{str(i): x for i, x in enumerate(leaves)})
+  with open(os.path.join(args.out, f"process_{p}.json"), "w", encoding="utf-8") as f:
+    json.dump({"process": p, "sha256": sha, "abs_sum": total, "local_tasks": local_tasks,
+               "rows": rows}, f)
+  if p == 0 and not replay:
+    with open(os.path.join(args.out, RECORD), "wb") as f:
+      pickle.dump(batches, f)
+  print(f"[process {p}/{n}] {cfg.iters} iterations, tasks played {local_tasks}; params sha256 "
+        f"{sha[:16]}, sum|w| {total:.6f} ({time.process_time():.0f} s of CPU)", flush=True)
+  return 0
+
+
+def launch(out: str, *, num_processes: int, devices: int, iters: int, init_params: str,
+           replay: str | None = None, timeout: float = 600) -> list[str]:
+  """Runs `num_processes` workers on this machine (coordinator on a free port); returns their
+  outputs. Raises RuntimeError naming the worker that failed."""
+  os.makedirs(out, exist_ok=True)
+  coord = f"127.0.0.1:{free_port()}"
+  procs = []
+  for i in range(num_processes):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--process-id={i}",
+           f"--num-processes={num_processes}", f"--coordinator={coord}", f"--devices={devices}",
+           f"--iters={iters}", f"--out={out}", f"--init-params={init_params}"]
+    if replay:
+      cmd.append(f"--replay={replay}")
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  deadline = time.monotonic() + timeout
+  try:
+    # When one worker fails the others wait in a collective: stop them at once.
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  outs = [p.communicate()[0] for p in procs]
+  for i, (p, o) in enumerate(zip(procs, outs)):
+    if p.returncode != 0:
+      raise RuntimeError(f"worker {i} exited with {p.returncode}:\n{o[-4000:]}")
+  return outs
+
+
+def run_demo(out: str, *, num_processes: int = 2, devices: int = 2, iters: int = 2,
+             check: bool = False) -> dict:
+  """Warm start, then the multi-process run (and with `check` the 1-process replay).
+
+  Returns {"multi": [process_<i>.json contents], "single": process_0.json of the replay or None,
+  "max_param_diff": max |multi - single| over all params (or None)}.
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  init = warm_start(os.path.join(out, "warm"))
+  print(f"[demo] warm start {time.perf_counter() - t0:.0f} s", flush=True)
+  multi_dir = os.path.join(out, "multi")
+  for o in launch(multi_dir, num_processes=num_processes, devices=devices, iters=iters,
+                  init_params=init):
+    print(o.strip().splitlines()[-1], flush=True)
+  multi = [_read_json(os.path.join(multi_dir, f"process_{i}.json")) for i in range(num_processes)]
+  res = {"multi": multi, "single": None, "max_param_diff": None}
+  if check:
+    single_dir = os.path.join(out, "single")
+    (o,) = launch(single_dir, num_processes=1, devices=num_processes * devices, iters=iters,
+                  init_params=init, replay=os.path.join(multi_dir, RECORD))
+    print(o.strip().splitlines()[-1], flush=True)
+    res["single"] = _read_json(os.path.join(single_dir, "process_0.json"))
+    a = np.load(os.path.join(multi_dir, "params_0.npz"))
+    b = np.load(os.path.join(single_dir, "params_0.npz"))
+    res["max_param_diff"] = max(float(np.abs(a[k] - b[k]).max()) for k in a.files)
+  return res
+
+
+def _read_json(path: str) -> dict:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default=None, help="default: runs/multihost_demo/<timestamp>")
+  p.add_argument("--num-processes", type=int, default=2)
+  p.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+  p.add_argument("--iters", type=int, default=2)
+  p.add_argument("--check", action="store_true",
+                 help="also run 1 process over the same devices on the recorded batches")
+  # the worker's own flags (set by `launch`)
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--init-params", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--replay", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.num_processes < 1 or args.devices < 1 or args.iters < 1:
+    raise SystemExit("error: --num-processes, --devices and --iters must be >= 1")
+  if args.worker:
+    return worker(args)
+  os.environ["JAX_PLATFORMS"] = "cpu"  # this process only warm-starts, on one CPU device
+  out = args.out or os.path.join("runs", "multihost_demo", time.strftime("%Y%m%d-%H%M%S"))
+  res = run_demo(out, num_processes=args.num_processes, devices=args.devices, iters=args.iters,
+                 check=args.check)
+  shas = {r["sha256"] for r in res["multi"]}
+  rows = res["multi"][0]["rows"]
+  print(f"[demo] success rate per iteration {[round(r['success_rate'], 3) for r in rows]}, "
+        f"{rows[-1]['num_trajectories']} trajectories per iteration; params identical on all "
+        f"{args.num_processes} processes: {len(shas) == 1}", flush=True)
+  if res["single"] is not None:
+    print(f"[demo] 1 process on the same batches: max |param difference| "
+          f"{res['max_param_diff']:.3g}", flush=True)
+  return 0 if len(shas) == 1 else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,268 @@
+"""Figures and the results table of `experiments/study.py` (matplotlib PNGs and results.md).
+
+  python experiments/study.py report            # everything that has run under docs/study
+
+Statistics: a run's held-out success is the fraction of `EVAL_TASKS` held-out games won greedily
+at its last evaluation. Across seeds, a method's figure is the mean with a 95% t-interval
+(mean +- t_{0.975, n-1} * sd / sqrt(n)); with one seed, a 95% Wilson interval over its games.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Two-sided 95% Student t quantiles by degrees of freedom (no scipy needed).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228}
+PAPER_COST = {"rollout": 240.0, "update": 30.0, "advantage": 0.05, "salt": 0.15}
+PAPER_ALFWORLD = {"GRPO": 81.8, "GRPO+SALT": 85.2, "RLOO": 79.2, "RLOO+SALT": 84.0}
+
+
+def interval(values: list[float], n_games: int) -> tuple[float, float, float]:
+  """(mean, low, high) of success rates: t-interval over seeds, or Wilson over one run's games."""
+  if not values:
+    return (math.nan, math.nan, math.nan)
+  m = statistics.fmean(values)
+  if len(values) == 1:
+    z, n = 1.96, max(n_games, 1)
+    centre = (m + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(m * (1 - m) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (m, max(0.0, centre - half), min(1.0, centre + half))
+  half = _T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+  return (m, m - half, m + half)
+
+
+def load(out: str, name: str):
+  path = os.path.join(out, name, "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _by(rows, key):
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault(r[key], []).append(r)
+  return groups
+
+
+def _nanmean_curves(curves):
+  n = max(len(c) for c in curves)
+  out = []
+  for i in range(n):
+    xs = [c[i] for c in curves if i < len(c) and c[i] is not None and not math.isnan(c[i])]
+    out.append(statistics.fmean(xs) if xs else math.nan)
+  return out
+
+
+def _smooth(xs, k=5):
+  out = []
+  for i in range(len(xs)):
+    w = [x for x in xs[max(0, i - k + 1):i + 1] if not math.isnan(x)]
+    out.append(statistics.fmean(w) if w else math.nan)
+  return out
+
+
+def headline_figures(s: dict, docs: str, tag: str) -> list[str]:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  methods = _by(s["runs"], "method")
+  fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  for m, rows in methods.items():
+    at: dict = {}  # iteration -> held-out success of each seed evaluated there
+    for r in rows:
+      for it, v in r["eval_curve"]:
+        at.setdefault(it, []).append(v)
+    its = sorted(at)
+    line, = a0.plot(its, [statistics.fmean(at[i]) for i in its], marker="o", label=m)
+    a0.fill_between(its, [min(at[i]) for i in its], [max(at[i]) for i in its],
+                    color=line.get_color(), alpha=0.15)
+    tr = [_smooth(r["train_success"]) for r in rows]
+    mean_tr = _nanmean_curves(tr)
+    a1.plot(range(1, len(mean_tr) + 1), mean_tr, label=m, color=line.get_color())
+    a1.fill_between(range(1, len(mean_tr) + 1),
+                    [min(t[i] for t in tr) for i in range(len(mean_tr))],
+                    [max(t[i] for t in tr) for i in range(len(mean_tr))],
+                    color=line.get_color(), alpha=0.12)
+  a0.set(xlabel="iteration", ylabel="held-out success (greedy)",
+         title=f"held-out games, mean and seed range ({len(next(iter(methods.values())))} seeds)")
+  a1.set(xlabel="iteration", ylabel="training success (5-iteration mean)",
+         title="training rollouts (sampled)")
+  a0.legend()
+  fig.tight_layout()
+  path = os.path.join(docs, f"{tag}_curves.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]
+
+
+def history_figure(s: dict, docs: str) -> list[str]:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  by_h = _by(s["runs"], "h")
+  fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  hs = sorted(h for h in by_h if h > 0)
+  stats = [interval([r["heldout_success"] for r in by_h[h]], s["eval_tasks"]) for h in hs]
+  a0.errorbar(hs, [x[0] for x in stats], yerr=[[x[0] - x[1] for x in stats],
+                                                [x[2] - x[0] for x in stats]], marker="o",
+              capsize=4, label="GRPO+SALT")
+  if 0 in by_h:
+    g = interval([r["heldout_success"] for r in by_h[0]], s["eval_tasks"])
+    a0.axhline(g[0], color="gray", ls="--", label="GRPO (no SALT)")
+    a0.axhspan(g[1], g[2], color="gray", alpha=0.12)
+  a0.set(xlabel="SALT history h", ylabel="held-out success", title="history length", xticks=hs)
+  a0.legend()
+  for h in hs:
+    mr = _nanmean_curves([[x if x is not None else math.nan for x in r["merge_rate"]]
+                          for r in by_h[h]])
+    a1.plot(range(1, len(mr) + 1), mr, label=f"h={h}")
+  a1.set(xlabel="iteration", ylabel="merge rate", title="merge rate per iteration")
+  a1.legend()
+  fig.tight_layout()
+  path = os.path.join(docs, "history_ablation.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]
+
+
+def group_size_figure(s: dict, docs: str) -> list[str]:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  for m, rows in _by(s["runs"], "method").items():
+    by_g = _by(rows, "G")
+    gs = sorted(by_g)
+    st = [interval([r["heldout_success"] for r in by_g[g]], s["eval_tasks"]) for g in gs]
+    a0.errorbar(gs, [x[0] for x in st], yerr=[[x[0] - x[1] for x in st],
+                                              [x[2] - x[0] for x in st]],
+                marker="o", capsize=4, label=m)
+    if m == "GRPO+SALT":
+      a1.plot(gs, [statistics.fmean(_mean_merge(r) for r in by_g[g]) for g in gs], marker="o")
+  a0.set(xlabel="group size G", ylabel="held-out success", title="group size (48 trajectories an iteration)")
+  a0.legend()
+  a1.set(xlabel="group size G", ylabel="mean merge rate", title="merge rate against G")
+  fig.tight_layout()
+  path = os.path.join(docs, "group_size_ablation.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]
+
+
+def matching_figure(s: dict, docs: str) -> list[str]:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for m, rows in _by(s["runs"], "matching").items():
+    mr = _nanmean_curves([[x if x is not None else math.nan for x in r["merge_rate"]]
+                          for r in rows])
+    ax.plot(range(1, len(mr) + 1), mr, label=m)
+  ax.set(xlabel="iteration", ylabel="merge rate", title="exact against embedding matching")
+  ax.legend()
+  fig.tight_layout()
+  path = os.path.join(docs, "matching_merge_rate.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]
+
+
+def cost_figure(s: dict, docs: str) -> tuple[list[str], dict]:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  phases = ("rollout", "old_logprob", "ref_logprob", "advantage", "salt", "update")
+  salt_rows = [r for r in s["runs"] if "SALT" in r.get("method", "")]
+  ours = {p: statistics.fmean(r["time"][p] or 0.0 for r in salt_rows) for p in phases}
+  fig, ax = plt.subplots(figsize=(8, 3.2))
+  for row, (name, t) in enumerate((("salt-jax (CPU, this study)", ours),
+                                   ("paper (ALFWorld, Qwen2.5-1.5B)", PAPER_COST))):
+    total, left = sum(t.get(p, 0.0) for p in phases), 0.0
+    for p in phases:
+      w = t.get(p, 0.0) / total
+      ax.barh(row, w, left=left, label=p if row == 0 else None,
+              color=matplotlib.colormaps["tab10"](phases.index(p)))
+      left += w
+    ax.text(1.01, row, f"SALT {100 * t.get('salt', 0) / total:.2f}% ({t.get('salt', 0):.3f} s)",
+            va="center", fontsize=8)
+  ax.set_yticks([0, 1], ["salt-jax (this study)", "paper"])
+  ax.set_xlim(0, 1.35)
+  ax.set_xlabel("share of an iteration")
+  ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.4, 1.25))
+  fig.tight_layout()
+  path = os.path.join(docs, "cost_breakdown.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path], ours
+
+
+def _mean_merge(r):
+  xs = [x for x in r["merge_rate"] if x is not None and not math.isnan(x)]
+  return statistics.fmean(xs) if xs else math.nan
+
+
+def _pct(x):
+  return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def table(s: dict, key: str) -> str:
+  lines = [f"| {key} | held-out success % (95% CI) | runs | mean merge rate | "
+           "cross-prompt merges / iter | valid actions % |", "|---|---|---|---|---|---|"]
+  for k, rows in _by(s["runs"], key).items():
+    m, lo, hi = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
+    mr = [_mean_merge(r) for r in rows]
+    cpm = statistics.fmean(statistics.fmean(r["cross_prompt_merges"]) for r in rows)
+    va = statistics.fmean(statistics.fmean(r["valid_action_ratio"]) for r in rows)
+    lines.append(f"| {k} | {_pct(m)} ({_pct(lo)} to {_pct(hi)}) | {len(rows)} | "
+                 f"{statistics.fmean(mr):.3f} | {cpm:.1f} | {100 * va:.1f} |")
+  return "\n".join(lines)
+
+
+def docs_dir(out: str) -> str:
+  """Where figures go: docs/ for the default docs/study, else `out` itself."""
+  docs = os.path.dirname(os.path.abspath(out)) if os.path.basename(out) == "study" else out
+  os.makedirs(docs, exist_ok=True)
+  return docs
+
+
+def report(out: str) -> str:
+  """Writes the PNGs beside `out` (docs/) and `out`/results.md; returns the markdown."""
+  docs = docs_dir(out)
+  md = ["# Study results (generated by `python experiments/study.py report`)", ""]
+  if os.path.exists(os.path.join(docs, "trajectory_graph.png")):
+    md += ["![one group's trajectory graph](trajectory_graph.png)", ""]
+  for name, key in (("headline", "method"), ("alfworld", "method"), ("history", "h"),
+                    ("group-size", "G"), ("matching", "matching")):
+    s = load(out, name)
+    if s is None:
+      continue
+    md += [f"## {name} ({s['iters']} iterations, {s['eval_tasks']} held-out games per eval)", "",
+           table(s, key), ""]
+    if name in ("headline", "alfworld"):
+      figs = headline_figures(s, docs, name)
+      paths, ours = cost_figure(s, docs) if name == "headline" else ([], None)
+      figs += paths
+      if ours:
+        md += ["Time per phase per iteration (s), SALT runs: " + ", ".join(
+            f"{p} {v:.3f}" for p, v in ours.items()), ""]
+    elif name == "history":
+      figs = history_figure(s, docs)
+    elif name == "group-size":
+      figs = group_size_figure(s, docs)
+    else:
+      figs = matching_figure(s, docs)
+    md += [f"![{name}]({os.path.relpath(f, docs)})" for f in figs] + [""]
+  text = "\n".join(md)
+  with open(os.path.join(docs, "results.md"), "w", encoding="utf-8") as f:
+    f.write(text)
+  return text

@@ -1,0 +1,108 @@
+"""The study's run plans, statistics and report (experiments/study.py, study_report.py).
+
+The training runs themselves are the trainer's (tests/test_train.py); here: that every compared
+run shares everything but its setting, that the intervals are right, and that a summary turns into
+the figures and the table.
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "experiments"))
+
+import study  # noqa: E402
+import study_report  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["headline", "history", "group-size", "matching", "alfworld"])
+def test_runs_differ_only_in_the_compared_setting(name):
+  env, runs = study.experiment_runs(name, [0, 1, 2])
+  assert len({r.name for r in runs}) == len(runs)
+  by_seed = {}
+  for r in runs:
+    by_seed.setdefault(r.seed, []).append(r)
+  assert sorted(by_seed) == [0, 1, 2]
+  compared = {"algo", "salt", "history", "group_size", "tasks_per_iter", "embedder"}
+  for rs in by_seed.values():
+    assert len(rs) == len(runs) // 3
+    for r in rs:
+      assert set(r.overrides) <= compared  # nothing else (lr, env, policy) changes
+      cfg = study._config(env, r, "/tmp/x", 3, None)  # pylint: disable=protected-access
+      cfg.validate()
+      assert cfg.seed == r.seed and cfg.iters == 3
+  if name == "group-size":
+    assert {r.overrides["group_size"] * r.overrides["tasks_per_iter"] for r in runs} == {48}
+  if name in ("headline", "alfworld"):
+    assert {r.labels["method"] for r in runs} == set(study.METHODS)
+
+
+def test_unknown_experiment():
+  with pytest.raises(SystemExit, match="unknown experiment"):
+    study.experiment_runs("nope", [0])
+
+
+def test_t_interval_matches_numpy():
+  xs = [0.25, 0.5, 0.4375]
+  m, lo, hi = study_report.interval(xs, 32)
+  half = 4.303 * np.std(xs, ddof=1) / math.sqrt(3)
+  assert m == pytest.approx(np.mean(xs))
+  assert (lo, hi) == pytest.approx((np.mean(xs) - half, np.mean(xs) + half))
+
+
+def test_wilson_interval_for_one_run():
+  # 8 wins of 32: Wilson 95% interval, computed by hand.
+  m, lo, hi = study_report.interval([0.25], 32)
+  z, n, p = 1.96, 32, 0.25
+  c = (p + z * z / (2 * n)) / (1 + z * z / n)
+  h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  assert (m, lo, hi) == pytest.approx((0.25, c - h, c + h))
+  assert study_report.interval([0.0], 32)[1] == 0.0  # clipped to [0, 1]
+  assert all(math.isnan(x) for x in study_report.interval([], 32))
+
+
+def _fake_metrics(path, iters, seed, salt):
+  rng = np.random.default_rng(seed)
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "metrics.jsonl"), "w", encoding="utf-8") as f:
+    for it in range(iters):
+      m = {"iteration": it, "success_rate": float(rng.uniform()),
+           "valid_action_ratio": 0.9, "merge_rate": float(rng.uniform()) if salt else math.nan,
+           "cross_prompt_merges": 3 if salt else 0}
+      m.update({f"time/{p}": 0.1 for p in study.PHASES + ("iteration",)})
+      if (it + 1) % 2 == 0:
+        m["eval/heldout/success_rate"] = float(rng.uniform())
+        m["eval/heldout/success_rate/quest5"] = 0.0  # per-type keys are not the overall figure
+      f.write(json.dumps(m) + "\n")
+
+
+@pytest.mark.parametrize("name", ["headline", "history", "group-size", "matching"])
+def test_summary_and_report(name, tmp_path):
+  out = tmp_path / "docs" / "study"
+  _, runs = study.experiment_runs(name, [0, 1])
+  root = out / name
+  for r in runs:
+    _fake_metrics(root / "runs" / r.name, 4, r.seed, r.overrides.get("salt", False))
+    assert study._complete(str(root / "runs" / r.name), 4)  # pylint: disable=protected-access
+    assert not study._complete(str(root / "runs" / r.name), 5)  # pylint: disable=protected-access
+  # The warm start was evaluated: every run's curve starts there, at iteration 0.
+  (root / "sft").mkdir()
+  (root / "sft" / "eval.json").write_text(json.dumps({"eval/heldout/success_rate": 0.125}))
+  path = study.write_summary(name, runs, str(root), 4)
+  s = json.load(open(path, encoding="utf-8"))
+  assert len(s["runs"]) == len(runs)
+  for row in s["runs"]:
+    its = [i for i, _ in row["eval_curve"]]
+    assert its == [0, 2, 4]
+    assert row["heldout_success"] == row["eval_curve"][-1][1]
+    assert row["eval_curve"][0][1] == 0.125
+  text = study_report.report(str(out))
+  assert f"## {name}" in text
+  pngs = [f for f in os.listdir(tmp_path / "docs") if f.endswith(".png")]
+  assert pngs and all((tmp_path / "docs" / f).stat().st_size > 1000 for f in pngs)
+  assert (tmp_path / "docs" / "results.md").read_text(encoding="utf-8") == text
