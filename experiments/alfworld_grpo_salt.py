@@ -80,6 +80,8 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
                  help="DxM device mesh ('data' x 'model'); simulated with CPU devices if needed")
   p.add_argument("--model", default=None,
                  help="a local Hugging Face folder; default: a tiny random-init Qwen2 policy")
+  p.add_argument("--param-dtype", default="float32",
+                 help="float32 (default: small AdamW steps survive) or bfloat16, for --model")
   p.add_argument("--tokenizer", default=d.get("tokenizer", "qwen25"),
                  help="qwen25 (offline Qwen2.5), toy, or a local folder (ignored with --model)")
   p.add_argument("--algo", default="grpo", help="grpo, rloo or drgrpo")
@@ -158,7 +160,8 @@ def main(env: str, defaults: dict, argv=None) -> int:
   from salt_jax.train import TrainConfig, Trainer
   cfg = TrainConfig(
       env=env, env_kwargs=dict(defaults.get("env_kwargs", {})), mesh=args.mesh, model=args.model,
-      tokenizer=args.tokenizer, algo=args.algo, salt=args.salt, history=args.history,
+      tokenizer=args.tokenizer, param_dtype=args.param_dtype, algo=args.algo, salt=args.salt,
+      history=args.history,
       group_size=args.group_size, tasks_per_iter=args.tasks_per_iter, iters=args.iters,
       embedder=None if args.embedder == "none" else args.embedder, lr=args.lr,
       kl_coef=args.kl_coef, seed=args.seed, out=args.out, resume=args.resume,

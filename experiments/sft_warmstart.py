@@ -50,9 +50,14 @@ def warm_start(cfg, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
     env_kw["expert"] = True
   env = make_env(cfg.env, **env_kw)
   split = cfg.train_split or train.ENV_TRAIN_SPLIT[cfg.env]
-  tasks = task_list(cfg.env, split, **cfg.env_kwargs)
+  task_kw = dict(cfg.env_kwargs)
+  if cfg.num_train_tasks is not None:
+    task_kw["num_tasks"] = cfg.num_train_tasks
+  tasks = task_list(cfg.env, split, **task_kw)
+  # Only as many episodes as asked: the tasks in order, with new env seeds once they run out
+  # (an ALFWorld episode costs seconds, so playing every task first would be wasted).
   seeds = range(-(-num_demos // len(tasks)))
-  demos = sft.collect_demos(env, tasks, seeds=seeds, max_steps=cfg.max_steps,
+  demos = sft.collect_demos(env, tasks[:num_demos], seeds=seeds, max_steps=cfg.max_steps,
                             only_won=False)[:num_demos]
   env.close()
   won = sum(d.won for d in demos)

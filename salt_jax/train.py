@@ -63,6 +63,7 @@ SCHEDULES = ("constant", "cosine")
 LAYOUTS = ("trajectory", "step")
 ENV_EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "textworld": ("heldout",),
                    "toy": ("eval",)}
+PARAM_DTYPES = ("float32", "bfloat16")
 ENV_TRAIN_SPLIT = {"alfworld": "valid_train", "textworld": "train", "toy": "train"}
 
 # The default small policy: Qwen2 architecture, random init, the tokenizer's vocabulary.
@@ -80,7 +81,9 @@ class TrainConfig:
   Policy: model (a local Hugging Face folder; None: the tiny random Qwen2 `TINY_POLICY`),
     tokenizer ('qwen25': the offline Qwen2.5 tokenizer; 'toy': `toy_chat_tokenizer`; or a local
     folder; a model folder brings its own), tiny_policy (overrides of TINY_POLICY), init_params
-    (an orbax folder of params to start from, e.g. an SFT warm start).
+    (an orbax folder of params to start from, e.g. an SFT warm start), param_dtype (parameters and
+    compute of a `model` checkpoint: 'float32' by default, since AdamW's small steps round away
+    on bf16 weights; or 'bfloat16').
   Rollout: group_size G, tasks_per_iter, max_new_tokens, temperature, top_p, top_k,
     history_window (None: whole conversation), max_cache_len, prompt_bucket_min (smallest sampler
     prompt bucket), invalid_action_penalty.
@@ -112,6 +115,7 @@ class TrainConfig:
   tokenizer: str = "qwen25"
   tiny_policy: dict = dataclasses.field(default_factory=dict)
   init_params: Optional[str] = None
+  param_dtype: str = "float32"
 
   group_size: int = 8
   tasks_per_iter: int = 16
@@ -190,6 +194,8 @@ class TrainConfig:
          f"({self.max_new_tokens}) + 16 to leave room for a prompt")
     need(math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
     need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+    need(self.param_dtype in PARAM_DTYPES,
+         f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}")
     need(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
     need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
     need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -344,7 +350,9 @@ def build_policy(config: TrainConfig, tokenizer, mesh):
   # pylint: disable=import-outside-toplevel
   from salt_jax.models import CausalLM, ModelConfig, from_pretrained, shard_model
   if config.model is not None:
-    return from_pretrained(config.model, mesh=mesh)
+    # float32 by default whatever the checkpoint holds: AdamW steps of ~1e-6 on bf16 weights
+    # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.
+    return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype))
   vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad their embedding
   fields = {**TINY_POLICY, **config.tiny_policy}
   eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)

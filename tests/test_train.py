@@ -400,12 +400,31 @@ def test_nan_guard_skips_the_update(run_a):
     (dict(mesh="3x3"), "needs 9 devices"),  # 8 simulated CPU devices in tests
     (dict(layout="rows"), "unknown layout"),
     (dict(embedder="/no/such/model"), "embedder must be"),
+    (dict(param_dtype="float16"), "param_dtype"),
 ])
 def test_bad_flags_fail_before_any_work(change, match, tmp_path):
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "x"), **change)
   with pytest.raises(ValueError, match=match):
     Trainer(cfg)
   assert not os.path.exists(cfg.out)  # nothing was written
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_checkpoint_policy_is_loaded_in_param_dtype(param_dtype, tmp_path):
+  # A bf16 checkpoint trains in float32 by default: AdamW's ~1e-6 steps would round away in bf16.
+  from salt_jax.models import CausalLM, ModelConfig, save_pretrained  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  tok = _build_tokenizer(BASE)
+  mcfg = ModelConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=32, intermediate_size=64,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+  folder = tmp_path / "policy"
+  save_pretrained(CausalLM(mcfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                           param_dtype=jnp.bfloat16), str(folder))
+  cfg = dataclasses.replace(BASE, model=str(folder), param_dtype=param_dtype)
+  cfg.validate()
+  model = build_policy(cfg, tok, make_mesh("1x1"))
+  dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+  assert dtypes == {jnp.dtype(param_dtype)}
 
 
 def test_fresh_run_refuses_a_folder_with_checkpoints(run_a):
