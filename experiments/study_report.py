@@ -71,10 +71,31 @@ def _smooth(xs, k=5):
   return out
 
 
-def headline_figures(s: dict, docs: str, tag: str) -> list[str]:
+def _pyplot():
+  """matplotlib with the file-only backend (reports run headless)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return matplotlib, plt
+
+
+def _save(fig, docs: str, name: str) -> str:
+  fig.tight_layout()
+  path = os.path.join(docs, name)
+  fig.savefig(path, dpi=120)
+  _pyplot()[1].close(fig)
+  return path
+
+
+def _errorbar(ax, xs, stats, **kw):
+  """Means with their (low, high) intervals, as `interval` returns them."""
+  ax.errorbar(xs, [x[0] for x in stats], yerr=[[x[0] - x[1] for x in stats],
+                                               [x[2] - x[0] for x in stats]],
+              marker="o", capsize=4, **kw)
+
+
+def headline_figures(s: dict, docs: str, tag: str) -> list[str]:
+  _, plt = _pyplot()
   methods = _by(s["runs"], "method")
   fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
   for m, rows in methods.items():
@@ -98,24 +119,17 @@ def headline_figures(s: dict, docs: str, tag: str) -> list[str]:
   a1.set(xlabel="iteration", ylabel="training success (5-iteration mean)",
          title="training rollouts (sampled)")
   a0.legend()
-  fig.tight_layout()
-  path = os.path.join(docs, f"{tag}_curves.png")
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  path = _save(fig, docs, f"{tag}_curves.png")
   return [path]
 
 
 def history_figure(s: dict, docs: str) -> list[str]:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  _, plt = _pyplot()
   by_h = _by(s["runs"], "h")
   fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
   hs = sorted(h for h in by_h if h > 0)
   stats = [interval([r["heldout_success"] for r in by_h[h]], s["eval_tasks"]) for h in hs]
-  a0.errorbar(hs, [x[0] for x in stats], yerr=[[x[0] - x[1] for x in stats],
-                                                [x[2] - x[0] for x in stats]], marker="o",
-              capsize=4, label="GRPO+SALT")
+  _errorbar(a0, hs, stats, label="GRPO+SALT")
   if 0 in by_h:
     g = interval([r["heldout_success"] for r in by_h[0]], s["eval_tasks"])
     a0.axhline(g[0], color="gray", ls="--", label="GRPO (no SALT)")
@@ -128,41 +142,30 @@ def history_figure(s: dict, docs: str) -> list[str]:
     a1.plot(range(1, len(mr) + 1), mr, label=f"h={h}")
   a1.set(xlabel="iteration", ylabel="merge rate", title="merge rate per iteration")
   a1.legend()
-  fig.tight_layout()
-  path = os.path.join(docs, "history_ablation.png")
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  path = _save(fig, docs, "history_ablation.png")
   return [path]
 
 
 def group_size_figure(s: dict, docs: str) -> list[str]:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  _, plt = _pyplot()
   fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
   for m, rows in _by(s["runs"], "method").items():
     by_g = _by(rows, "G")
     gs = sorted(by_g)
     st = [interval([r["heldout_success"] for r in by_g[g]], s["eval_tasks"]) for g in gs]
-    a0.errorbar(gs, [x[0] for x in st], yerr=[[x[0] - x[1] for x in st],
-                                              [x[2] - x[0] for x in st]],
-                marker="o", capsize=4, label=m)
+    _errorbar(a0, gs, st, label=m)
     if m == "GRPO+SALT":
       a1.plot(gs, [statistics.fmean(_mean_merge(r) for r in by_g[g]) for g in gs], marker="o")
-  a0.set(xlabel="group size G", ylabel="held-out success", title="group size (48 trajectories an iteration)")
+  a0.set(xlabel="group size G", ylabel="held-out success",
+         title="group size (48 trajectories an iteration)")
   a0.legend()
   a1.set(xlabel="group size G", ylabel="mean merge rate", title="merge rate against G")
-  fig.tight_layout()
-  path = os.path.join(docs, "group_size_ablation.png")
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  path = _save(fig, docs, "group_size_ablation.png")
   return [path]
 
 
 def matching_figure(s: dict, docs: str) -> list[str]:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  _, plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for m, rows in _by(s["runs"], "matching").items():
     mr = _nanmean_curves([[x if x is not None else math.nan for x in r["merge_rate"]]
@@ -170,17 +173,12 @@ def matching_figure(s: dict, docs: str) -> list[str]:
     ax.plot(range(1, len(mr) + 1), mr, label=m)
   ax.set(xlabel="iteration", ylabel="merge rate", title="exact against embedding matching")
   ax.legend()
-  fig.tight_layout()
-  path = os.path.join(docs, "matching_merge_rate.png")
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  path = _save(fig, docs, "matching_merge_rate.png")
   return [path]
 
 
 def cost_figure(s: dict, docs: str) -> tuple[list[str], dict]:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  matplotlib, plt = _pyplot()
   phases = ("rollout", "old_logprob", "ref_logprob", "advantage", "salt", "update")
   salt_rows = [r for r in s["runs"] if "SALT" in r.get("method", "")]
   ours = {p: statistics.fmean(r["time"][p] or 0.0 for r in salt_rows) for p in phases}
@@ -199,11 +197,49 @@ def cost_figure(s: dict, docs: str) -> tuple[list[str], dict]:
   ax.set_xlim(0, 1.35)
   ax.set_xlabel("share of an iteration")
   ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.4, 1.25))
-  fig.tight_layout()
-  path = os.path.join(docs, "cost_breakdown.png")
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  path = _save(fig, docs, "cost_breakdown.png")
   return [path], ours
+
+
+def merge_rate_figure(mr: dict, docs: str) -> tuple[list[str], str]:
+  """merge_rates.png and a markdown table from experiments/merge_rates.py's results."""
+  matplotlib, plt = _pyplot()
+  rows = mr["rows"]
+  envs = sorted({r["env"] for r in rows}, reverse=True)
+  ps = sorted({r["p_expert"] for r in rows})
+  hs = sorted({r["h"] for r in rows})
+  gs = sorted({r["G"] for r in rows})
+  pick = lambda **kw: [r for r in rows if all(r[k] == v for k, v in kw.items())]  # noqa: E731
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  styles = {e: ls for e, ls in zip(envs, ("-", "--", ":"))}
+  cmap = matplotlib.colormaps["viridis"]
+  for e in envs:
+    for i, p in enumerate(ps):
+      color = cmap(i / max(len(ps) - 1, 1))
+      cells = sorted(pick(env=e, p_expert=p, G=8), key=lambda r: r["h"])
+      axes[0].plot(hs, [r["merge_rate"] for r in cells], styles[e], marker="o", color=color,
+                   label=f"{e}, p={p}")
+      axes[2].plot(hs, [r["cross_prompt_merges"] / max(r["steps"], 1) for r in cells], styles[e],
+                   marker="o", color=color)
+      cells = sorted(pick(env=e, p_expert=p, h=3), key=lambda r: r["G"])
+      axes[1].plot(gs, [r["merge_rate"] for r in cells], styles[e], marker="o", color=color)
+  axes[0].set(xlabel="SALT history h", ylabel="merge rate", title="merge rate against h (G=8)",
+              xticks=hs)
+  axes[1].set(xlabel="group size G", ylabel="merge rate", title="merge rate against G (h=3)",
+              xticks=gs)
+  axes[2].set(xlabel="SALT history h", ylabel="share of steps",
+              title="merges joining different whole-history prompts (G=8)", xticks=hs)
+  axes[0].legend(fontsize=7)
+  path = _save(fig, docs, "merge_rates.png")
+  lines = ["| env | p (expert) | success | " + " | ".join(f"h={h}" for h in hs) + " |",
+           "|---" * (len(hs) + 3) + "|"]
+  for e in envs:
+    for p in ps:
+      cells = sorted(pick(env=e, p_expert=p, G=8), key=lambda r: r["h"])
+      lines.append(f"| {e} | {p} | {100 * cells[0]['success']:.0f}% | " + " | ".join(
+          f"{r['merge_rate']:.2f} ({r['cross_prompt_merges'] / max(r['steps'], 1):.2f})"
+          for r in cells) + " |")
+  return [path], "\n".join(lines)
 
 
 def _mean_merge(r):
@@ -241,6 +277,15 @@ def report(out: str) -> str:
   md = ["# Study results (generated by `python experiments/study.py report`)", ""]
   if os.path.exists(os.path.join(docs, "trajectory_graph.png")):
     md += ["![one group's trajectory graph](trajectory_graph.png)", ""]
+  mr_path = os.path.join(out, "merge-rates", "merge_rates.json")
+  if os.path.exists(mr_path):
+    with open(mr_path, encoding="utf-8") as f:
+      mr = json.load(f)
+    figs, tab = merge_rate_figure(mr, docs)
+    md += [f"## Merge rates of scripted groups ({mr['tasks']} tasks, `experiments/merge_rates.py`)",
+           "", "Merge rate at G=8 (in brackets: share of steps merged across different "
+           "whole-history prompts).", "", tab, ""]
+    md += [f"![merge rates]({os.path.relpath(f, docs)})" for f in figs] + [""]
   for name, key in (("headline", "method"), ("alfworld", "method"), ("history", "h"),
                     ("group-size", "G"), ("matching", "matching")):
     s = load(out, name)

@@ -106,3 +106,27 @@ def test_summary_and_report(name, tmp_path):
   pngs = [f for f in os.listdir(tmp_path / "docs") if f.endswith(".png")]
   assert pngs and all((tmp_path / "docs" / f).stat().st_size > 1000 for f in pngs)
   assert (tmp_path / "docs" / "results.md").read_text(encoding="utf-8") == text
+
+
+def test_merge_rates_on_real_textworld_groups(tmp_path):
+  import merge_rates  # pylint: disable=import-outside-toplevel
+  rows = merge_rates.measure("textworld", num_tasks=1, seed=0)
+  n = len(merge_rates.COMPETENCE) * len(merge_rates.GROUP_SIZES) * len(merge_rates.HISTORIES)
+  assert len(rows) == n
+  for p in merge_rates.COMPETENCE:
+    for g in merge_rates.GROUP_SIZES:
+      cells = sorted((r for r in rows if r["p_expert"] == p and r["G"] == g), key=lambda r: r["h"])
+      rates = [r["merge_rate"] for r in cells]
+      # Steps equal over the last h+1 pairs are equal over the last h: never more merges with h.
+      assert all(a >= b - 1e-12 for a, b in zip(rates, rates[1:]))
+      assert len({r["steps"] for r in cells}) == 1
+  # Whole-history prompt ids: the first steps of a group share the task-only prompt.
+  trajs = [[("a", "x"), ("b", "y")], [("a", "x"), ("b", "y")], [("c", "z"), ("b", "y")]]
+  ids = merge_rates.whole_history_prompt_ids(trajs)
+  np.testing.assert_array_equal(ids, [0, 1, 0, 1, 0, 2])
+
+
+def test_merge_rates_rejects_bad_task_count():
+  import merge_rates  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit, match="--tasks"):
+    merge_rates.main(["--tasks", "0", "--out", "/tmp/unused"])
