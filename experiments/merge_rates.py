@@ -1,7 +1,7 @@
 """How SALT's trajectory graph merges steps, on real games, without training a policy.
 
-  python experiments/merge_rates.py                       # TextWorld and ALFWorld, about 5 min
-  python experiments/merge_rates.py --envs textworld --tasks 8
+  python experiments/merge_rates.py --envs textworld --tasks 16    # about 30 s
+  python experiments/merge_rates.py --envs alfworld --tasks 4      # game loads: about 15 min
 
 Groups of G trajectories are played on real tasks by a scripted epsilon-expert: each step it
 takes the environment's expert action with probability p and a uniformly random admissible action
@@ -10,7 +10,8 @@ goes on). For every group the script builds SALT's merge ids with history h in 1
   merge rate            merged insertions / all insertions (SALT's definition)
   cross-prompt merges   merged steps whose edge joins different whole-history prompts (the
                         merges that change the summed policy gradient)
-Results: <out>/merge_rates.json; `python experiments/study.py report` draws them.
+Results: <out>/merge_rates.json (one run per environment adds or replaces that environment's
+rows); `python experiments/study.py report` draws them.
 """
 
 from __future__ import annotations
@@ -120,8 +121,14 @@ def main(argv=None) -> int:
           f"{len(COMPETENCE)} competences in {time.perf_counter() - t0:.0f}s", flush=True)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "merge_rates.json")
+  tasks = {e: args.tasks for e in args.envs}
+  if os.path.exists(path):  # keep the other environments' rows from an earlier run
+    with open(path, encoding="utf-8") as f:
+      old = json.load(f)
+    rows += [r for r in old["rows"] if r["env"] not in args.envs]
+    tasks = {**{e: n for e, n in old["tasks"].items() if e not in args.envs}, **tasks}
   with open(path, "w", encoding="utf-8") as f:
-    json.dump(dict(tasks=args.tasks, seed=args.seed, rows=rows), f, indent=1)
+    json.dump(dict(tasks=tasks, seed=args.seed, rows=rows), f, indent=1)
   for e in args.envs:
     print(f"\n{e}: merge rate (cross-prompt merges / steps) at G=8")
     print("p_expert " + " ".join(f"{'h=' + str(h):>14}" for h in HISTORIES))

@@ -282,7 +282,8 @@ def report(out: str) -> str:
     with open(mr_path, encoding="utf-8") as f:
       mr = json.load(f)
     figs, tab = merge_rate_figure(mr, docs)
-    md += [f"## Merge rates of scripted groups ({mr['tasks']} tasks, `experiments/merge_rates.py`)",
+    n_tasks = ", ".join(f"{e} {n}" for e, n in sorted(mr["tasks"].items()))
+    md += [f"## Merge rates of scripted groups (tasks: {n_tasks}; `experiments/merge_rates.py`)",
            "", "Merge rate at G=8 (in brackets: share of steps merged across different "
            "whole-history prompts).", "", tab, ""]
     md += [f"![merge rates]({os.path.relpath(f, docs)})" for f in figs] + [""]

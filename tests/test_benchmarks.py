@@ -1,0 +1,36 @@
+"""The accelerator benchmark's arithmetic, and that it runs (tiny shapes on this CPU)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+import bench_gpu  # noqa: E402
+
+
+def test_chip_limits_by_kind_and_flags():
+  assert bench_gpu.chip_limits("NVIDIA H200", None, None) == (989e12, 4.8e12)
+  assert bench_gpu.chip_limits("NVIDIA H100 80GB HBM3", None, None) == (989e12, 3.35e12)
+  assert bench_gpu.chip_limits("TPU v5 lite", None, None) == (197e12, 0.82e12)
+  assert bench_gpu.chip_limits("cpu", None, None) == (None, None)
+  assert bench_gpu.chip_limits("NVIDIA H200", 100.0, 1.0) == (100e12, 1e12)  # flags win
+
+
+def test_quick_run_prints_both_figures(capsys):
+  assert bench_gpu.main(["--quick", "--repeats", "1", "--peak-tflops", "1",
+                         "--bandwidth-tbs", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "of the bandwidth bound" in out and "MFU" in out
+
+
+def test_qwen_shape_has_1_5b_params():
+  c = bench_gpu.QWEN25_1_5B
+  d, f, n_layers = c["hidden_size"], c["intermediate_size"], c["num_layers"]
+  q = c["num_heads"] * c["head_dim"]
+  kv = c["num_kv_heads"] * c["head_dim"]
+  per_layer = d * q + q + 2 * (d * kv + kv) + q * d + 3 * d * f + 2 * d
+  total = c["vocab_size"] * d + n_layers * per_layer + d
+  assert total == pytest.approx(1.54e9, rel=0.01)  # Qwen2.5-1.5B: 1.54 B parameters
