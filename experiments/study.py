@@ -181,6 +181,7 @@ def run_experiment(name: str, seeds: list[int], iters: int, jobs: int, out_root:
       else:
         print(f"[study] {rn} done in {time.perf_counter() - start:.0f}s "
               f"({len(todo)} to start, {len(running)} running)", flush=True)
+        write_summary(name, runs, root, iters)
   if failed:
     raise SystemExit(f"error: {len(failed)} runs failed: {failed}")
   path = write_summary(name, runs, root, iters)
@@ -242,9 +243,14 @@ PHASES = ("rollout", "old_logprob", "ref_logprob", "advantage", "salt", "update"
 
 
 def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
-  """summary.json: per run its labels, final held-out success, curves and phase times."""
-  rows = []
+  """summary.json: per finished run its labels, final held-out success, curves and phase times;
+  the runs not finished yet are listed under "missing" (the study writes it after every run, so
+  an interrupted study still reports what it has)."""
+  rows, missing = [], []
   for r in runs:
+    if not _complete(os.path.join(root, "runs", r.name), iters):
+      missing.append(r.name)
+      continue
     with open(os.path.join(root, "runs", r.name, "metrics.jsonl"), encoding="utf-8") as f:
       ms = [json.loads(line) for line in f if line.strip()]
     evals = [(m["iteration"] + 1, _eval_success(m)) for m in ms if _eval_success(m) is not None]
@@ -263,7 +269,7 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
   path = os.path.join(root, "summary.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(dict(experiment=name, iters=iters, eval_tasks=EVAL_TASKS, base=BASE, sft=SFT,
-                   runs=rows), f, indent=1)
+                   runs=rows, missing=missing), f, indent=1)
   return path
 
 

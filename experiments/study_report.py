@@ -294,6 +294,8 @@ def report(out: str) -> str:
       continue
     md += [f"## {name} ({s['iters']} iterations, {s['eval_tasks']} held-out games per eval)", "",
            table(s, key), ""]
+    if s.get("missing"):
+      md += [f"Not run (the study was stopped): {', '.join(s['missing'])}.", ""]
     if name in ("headline", "alfworld"):
       figs = headline_figures(s, docs, name)
       paths, ours = cost_figure(s, docs) if name == "headline" else ([], None)

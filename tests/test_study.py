@@ -93,9 +93,12 @@ def test_summary_and_report(name, tmp_path):
   # The warm start was evaluated: every run's curve starts there, at iteration 0.
   (root / "sft").mkdir()
   (root / "sft" / "eval.json").write_text(json.dumps({"eval/heldout/success_rate": 0.125}))
-  path = study.write_summary(name, runs, str(root), 4)
+  # A run that has not finished is listed as missing, not summarized.
+  _fake_metrics(root / "runs" / "unfinished", 2, 0, False)
+  extra = study.Run("unfinished", 0, {}, dict(runs[0].labels))
+  path = study.write_summary(name, runs + [extra], str(root), 4)
   s = json.load(open(path, encoding="utf-8"))
-  assert len(s["runs"]) == len(runs)
+  assert len(s["runs"]) == len(runs) and s["missing"] == ["unfinished"]
   for row in s["runs"]:
     its = [i for i, _ in row["eval_curve"]]
     assert its == [0, 2, 4]
