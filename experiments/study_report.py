@@ -259,8 +259,9 @@ def table(s: dict, key: str) -> str:
     mr = [_mean_merge(r) for r in rows]
     cpm = statistics.fmean(statistics.fmean(r["cross_prompt_merges"]) for r in rows)
     va = statistics.fmean(statistics.fmean(r["valid_action_ratio"]) for r in rows)
+    mmr = statistics.fmean(mr)
     lines.append(f"| {k} | {_pct(m)} ({_pct(lo)} to {_pct(hi)}) | {len(rows)} | "
-                 f"{statistics.fmean(mr):.3f} | {cpm:.1f} | {100 * va:.1f} |")
+                 f"{'n/a' if math.isnan(mmr) else f'{mmr:.3f}'} | {cpm:.1f} | {100 * va:.1f} |")
   return "\n".join(lines)
 
 
