@@ -48,7 +48,7 @@ ALFWORLD = dict(env="alfworld", env_kwargs={}, num_train_tasks=None, max_steps=1
 BASE = dict(
     tokenizer="toy", group_size=8, tasks_per_iter=2, max_new_tokens=24, max_cache_len=3072,
     prompt_bucket_min=256, temperature=1.0, algo="grpo", salt=True, history=3, lr=2e-4,
-    kl_coef=0.01, minibatch_rows=8, min_seq_len=256, env_workers=0, iters=15,
+    kl_coef=0.01, minibatch_rows=8, min_seq_len=256, env_workers=0, iters=9,
     num_eval_tasks=EVAL_TASKS, max_to_keep=1, tensorboard=False, progress=False)
 SFT = dict(steps=150, demos=48, lr=6e-3)
 
