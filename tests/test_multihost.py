@@ -27,6 +27,7 @@ from salt_jax.agent.prompts import toy_chat_tokenizer
 from salt_jax.rollout import TextPolicySampler, collect
 from salt_jax.sharding import make_mesh
 from salt_jax.train import TrainConfig
+from tests.test_train import _untimed  # one definition of "a row without its timings"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,10 +47,6 @@ demo = _load_demo()
 def run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("multihost"))
   return out, demo.run_demo(out, num_processes=2, devices=2, iters=2, check=True)
-
-
-def _untimed(row):
-  return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 def test_both_processes_end_with_identical_params(run):
