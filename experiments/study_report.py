@@ -36,7 +36,7 @@ def interval(values: list[float], n_games: int) -> tuple[float, float, float]:
     half = z * math.sqrt(m * (1 - m) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return (m, max(0.0, centre - half), min(1.0, centre + half))
   half = _T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-  return (m, m - half, m + half)
+  return (m, max(0.0, m - half), min(1.0, m + half))  # a rate stays in [0, 1]
 
 
 def load(out: str, name: str):
@@ -251,16 +251,28 @@ def _pct(x):
   return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}"
 
 
+def _late_train_success(s: dict, r: dict) -> tuple[float, int]:
+  """(mean training success over the last third of a run's iterations, episodes it counts)."""
+  xs = r["train_success"][-max(1, len(r["train_success"]) // 3):]
+  base = s.get("base", {})
+  per_iter = r.get("episodes_per_iter", base.get("group_size", 1) * base.get("tasks_per_iter", 1))
+  return statistics.fmean(xs), per_iter * len(xs)
+
+
 def table(s: dict, key: str) -> str:
-  lines = [f"| {key} | held-out success % (95% CI) | runs | mean merge rate | "
-           "cross-prompt merges / iter | valid actions % |", "|---|---|---|---|---|---|"]
+  lines = [f"| {key} | held-out success % (95% CI) | training success %, last third (95% CI) "
+           "| runs | mean merge rate | cross-prompt merges / iter | valid actions % |",
+           "|---|---|---|---|---|---|---|"]
   for k, rows in _by(s["runs"], key).items():
     m, lo, hi = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
+    late = [_late_train_success(s, r) for r in rows]
+    tm, tlo, thi = interval([x for x, _ in late], late[0][1])
     mr = [_mean_merge(r) for r in rows]
     cpm = statistics.fmean(statistics.fmean(r["cross_prompt_merges"]) for r in rows)
     va = statistics.fmean(statistics.fmean(r["valid_action_ratio"]) for r in rows)
     mmr = statistics.fmean(mr)
-    lines.append(f"| {k} | {_pct(m)} ({_pct(lo)} to {_pct(hi)}) | {len(rows)} | "
+    lines.append(f"| {k} | {_pct(m)} ({_pct(lo)} to {_pct(hi)}) | "
+                 f"{_pct(tm)} ({_pct(tlo)} to {_pct(thi)}) | {len(rows)} | "
                  f"{'n/a' if math.isnan(mmr) else f'{mmr:.3f}'} | {cpm:.1f} | {100 * va:.1f} |")
   return "\n".join(lines)
 

@@ -11,12 +11,13 @@ one shared `cache_index`. Only two choices change the program's structure and ar
 not, and whether top-k/top-p filter at all (a sort per step); temperature, top-k, top-p,
 max_new_tokens and the key are traced values.
 
-The flow for a prompt bucket P and cache length S (`max_cache_len`):
+The cache holds W slots per row, W the smallest of `cache_buckets` that fits the call (at most
+`max_cache_len`), since every decode step attends over all of them. The flow for a prompt bucket P:
   prefill: the first P-1 prompt slots are written to the cache in one forward pass. Its logits are
     never used, so XLA drops the final norm and the [B, P, V] vocabulary projection.
   decode: a `lax.while_loop` feeds one token per step, starting with the last prompt token (slot
     P-1), and samples the next; it exits as soon as every row is done. Step i writes slot P-1+i, so
-    `max_new_tokens` new tokens need P + max_new_tokens - 1 <= S.
+    `max_new_tokens` new tokens need P + max_new_tokens - 1 <= W.
 With stop strings, the loop runs in chunks of `stop_check_every` steps and the host decodes the new
 text between chunks, marking rows that produced a stop string as done (the loop state is donated
 back to the device, so the cache is updated in place).
@@ -124,7 +125,7 @@ class _Kept(NamedTuple):
   cache: Any               # the model's KVCache, batch bucket rows
   cursor: int              # first slot that no row has written
   seqs: list[np.ndarray]   # per prompt: the tokens whose keys and values the cache holds, in order
-  slots: np.ndarray        # bool[n, S]: the slots holding them
+  slots: np.ndarray        # bool[n, W]: the slots holding them (W: the cache's length)
 
 
 class _Plan(NamedTuple):
@@ -135,8 +136,24 @@ class _Plan(NamedTuple):
   suffix_mask: np.ndarray  # bool[B, P] True on real suffix tokens
   cursor: int              # slot of the suffix bucket's first column
   rows: np.ndarray | None  # i32[B] kept row each row continues; None: a full prefill
-  keep: np.ndarray | None  # bool[B, S] kept slots each row attends to; None: a full prefill
+  keep: np.ndarray         # bool[B, W] kept slots each row attends to (none for a full prefill)
   reused: int              # prompt tokens read from the kept cache
+
+
+# Batch buckets up to this many rows decode with `_few_rows_compiler_options`.
+_FEW_ROWS = 32
+
+
+def _few_rows_compiler_options() -> dict | None:
+  """XLA options for decoding a few rows. On CPU, plain (Eigen) dots instead of YNNPACK fusions:
+  a decode step multiplies a few rows by every weight matrix, streamed from L3, and there
+  YNNPACK's dots ran 2x slower (8 MB of [16, 256] x [256, 1024] matmuls: 16 vs 32 GFLOP/s on one
+  core). The benchmark model's greedy generation, 10 alternating calls, 2 cores: batch 16 2,238
+  vs 2,057 tok/s, 32: 2,170 vs 2,004; at 64 and 128 rows YNNPACK wins (2,325 vs 2,245, 2,604 vs
+  2,306). Prefill and training keep YNNPACK."""
+  if jax.default_backend() == "cpu":
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
+  return None
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -201,6 +218,7 @@ class Sampler:
   def __init__(self, model: nnx.Module, *, eos_token_ids: Sequence[int], pad_token_id: int,
                max_cache_len: int, prompt_buckets: Sequence[int] | None = None,
                batch_buckets: Sequence[int] = _DEFAULT_BATCH_BUCKETS,
+               cache_buckets: Sequence[int] | None = None,
                cache_dtype=None, mesh: jax.sharding.Mesh | None = None,
                stop_check_every: int = 16):
     """Args:
@@ -211,6 +229,10 @@ class Sampler:
       prompt_buckets: prompt lengths to pad to; default powers of two from 16 up to S.
       batch_buckets: batch sizes to pad to; past the largest, the batch is padded to a multiple
         of it. With a mesh, each bucket is rounded up to a multiple of the 'data' axis size.
+      cache_buckets: cache lengths W a call allocates: the smallest that holds its prompts and
+        max_new_tokens (a continued cache grows into a larger one). Every decode step attends
+        over all W slots, so a short rollout in a long `max_cache_len` should not pay for the
+        whole of it. Default: powers of two from 128, and max_cache_len.
       cache_dtype: KV cache dtype (default: the model's).
       mesh: ('data', 'model') mesh to split prompts and the loop state over 'data'; default: the
         mesh the model was sharded onto (`shard_model`), if any.
@@ -234,6 +256,14 @@ class Sampler:
     if not self.prompt_buckets or self.prompt_buckets[0] < 1:
       raise ValueError(f"prompt_buckets must be positive lengths, got {prompt_buckets}")
     self._mesh = mesh
+    if cache_buckets is None:
+      cache_buckets = [128]
+      while cache_buckets[-1] * 2 < self.max_cache_len:
+        cache_buckets.append(cache_buckets[-1] * 2)
+    self.cache_buckets = tuple(sorted({min(int(b), self.max_cache_len) for b in cache_buckets}
+                                      | {self.max_cache_len}))
+    if self.cache_buckets[0] < 2:
+      raise ValueError(f"cache_buckets must be lengths >= 2, got {cache_buckets}")
     self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
     if not self.batch_buckets or self.batch_buckets[0] < 1:
       raise ValueError(f"batch_buckets must be positive sizes, got {batch_buckets}")
@@ -258,8 +288,11 @@ class Sampler:
     # hashing it. The loop state (cache included) is donated to each decode chunk, so XLA
     # updates it in place.
     self._prefill = jax.jit(functools.partial(self._prefill_impl, self._graphdef))
-    self._decode = jax.jit(functools.partial(self._decode_impl, self._graphdef),
-                           static_argnames=("mode",), donate_argnums=(1,))
+    decode = functools.partial(self._decode_impl, self._graphdef)
+    self._decode = jax.jit(decode, static_argnames=("mode",), donate_argnums=(1,))
+    few = _few_rows_compiler_options()
+    self._decode_few_rows = self._decode if few is None else jax.jit(
+        decode, static_argnames=("mode",), donate_argnums=(1,), compiler_options=few)
 
   def clear_cache(self) -> None:
     """Frees the cache a keep_cache=True call kept (a call that does not keep one frees it too)."""
@@ -291,7 +324,8 @@ class Sampler:
       state: its nnx.State.
       kept_cache: the previous call's KVCache to continue, or None for a fresh cache.
       rows: i32[B] the kept row each row continues (None with kept_cache None).
-      keep: bool[B, S] kept slots each row attends to, all before `cursor` (None likewise).
+      keep: bool[B, W] kept slots each row attends to, all before `cursor` (all False with
+        kept_cache None); W is the cache length of this call, at least the kept cache's.
       tokens: i32[B, P] left-padded suffixes.
       positions: i32[B, P] position ids (0 on padding).
       suffix_mask: bool[B, P] True on real suffix tokens.
@@ -303,13 +337,15 @@ class Sampler:
     """
     self.num_traces += 1
     b, p = tokens.shape
-    s = self.max_cache_len
+    s = keep.shape[1]
     model = nnx.merge(graphdef, state)
     if kept_cache is None:
       cache = model.init_cache(b, s, dtype=self.cache_dtype)
-      keep = jnp.zeros((b, s), bool)
     else:
-      cache = jax.tree.map(lambda x: jnp.take(x, rows, axis=1), kept_cache)  # [L, B, S, K, H]
+      # [B, K, S, H]: the continued rows, grown to this call's cache length.
+      grow = lambda x: jnp.pad(jnp.take(x, rows, axis=0),  # noqa: E731
+                               ((0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)))
+      cache = jax.tree.map(grow, kept_cache)
     keep = self._constrain_batch(keep)
     cache_mask = self._constrain_batch(
         jax.lax.dynamic_update_slice(keep, suffix_mask, (0, cursor)))
@@ -428,10 +464,15 @@ class Sampler:
     mask[len(suffixes):, -1] = True
     return tokens, positions, mask
 
+  def _cache_len(self, need: int, at_least: int = 0) -> int:
+    """Cache length for a call that writes up to slot `need` - 1 (a bucket, >= at_least)."""
+    return max(_bucket(need, self.cache_buckets), at_least)
+
   def _plan_full(self, prompts, bb: int, max_new_tokens: int) -> _Plan:
     pb = self._prompt_bucket(max(len(p) for p in prompts), max_new_tokens)
     tokens, positions, mask = self._layout(prompts, [0] * len(prompts), pb, bb)
-    return _Plan(tokens, positions, mask, cursor=0, rows=None, keep=None, reused=0)
+    keep = np.zeros((bb, self._cache_len(pb + max_new_tokens - 1)), bool)
+    return _Plan(tokens, positions, mask, cursor=0, rows=None, keep=keep, reused=0)
 
   def _plan_continuation(self, prompts, continue_rows, kept: _Kept, bb: int,
                          max_new_tokens: int) -> _Plan | None:
@@ -452,8 +493,9 @@ class Sampler:
     n = len(prompts)
     rows = np.zeros(bb, np.int32)  # dummy rows gather row 0 and attend to none of it
     rows[:n] = np.asarray(continue_rows, np.int32)
-    keep = np.zeros((bb, self.max_cache_len), bool)
-    keep[:n] = kept.slots[rows[:n]]
+    width = kept.slots.shape[1]
+    keep = np.zeros((bb, self._cache_len(kept.cursor + sb - 1 + max_new_tokens, width)), bool)
+    keep[:n, :width] = kept.slots[rows[:n]]
     return _Plan(tokens, positions, mask, cursor=kept.cursor, rows=rows, keep=keep,
                  reused=int(sum(bases)))
 
@@ -562,13 +604,14 @@ class Sampler:
     del kept  # the gathered rows are all this call needs
 
     stopped = np.zeros(bb, bool)
+    decode = self._decode_few_rows if bb <= _FEW_ROWS else self._decode
     if not stop_strings:
-      loop = self._decode(state, loop, knobs, np.int32(max_new_tokens), mode=mode)
+      loop = decode(state, loop, knobs, np.int32(max_new_tokens), mode=mode)
     else:
       step = 0
       while step < max_new_tokens:
         stop_at = min(step + self.stop_check_every, max_new_tokens)
-        loop = self._decode(state, loop, knobs, np.int32(stop_at), mode=mode)
+        loop = decode(state, loop, knobs, np.int32(stop_at), mode=mode)
         toks, lengths, done = jax.device_get((loop.tokens, loop.lengths, loop.done))
         step = stop_at
         if done.all():
@@ -611,7 +654,7 @@ class Sampler:
     returned response (a stop-string cut, a finished row) are not kept."""
     n = len(prompts)
     start = plan.cursor + plan.tokens.shape[1] - 1  # slot of decode step 0
-    slots = np.zeros((n, self.max_cache_len), bool) if plan.keep is None else plan.keep[:n].copy()
+    slots = plan.keep[:n].copy()
     seqs = []
     for i in range(n):
       suffix_len = int(plan.suffix_mask[i].sum())

@@ -184,7 +184,7 @@ def test_bf16_load_gives_f32_logits_close_to_f32(tmp_path):
   assert np.isfinite(err).all() and err.max() <= 0.05 * np.abs(ref).max()
   # The bf16 KV cache (prefill) path agrees with the bf16 full forward.
   cache = model.init_cache(2, 12)
-  assert cache.k.dtype == jnp.bfloat16
+  assert all(a.dtype == jnp.bfloat16 for a in cache.k + cache.v)
   mask_cache = np.concatenate([mask, np.zeros((2, 3), bool)], axis=1)
   cached, _ = _step(model, ids, _positions(mask), cache, jnp.int32(0), mask_cache)
   assert cached.dtype == jnp.float32
@@ -192,7 +192,7 @@ def test_bf16_load_gives_f32_logits_close_to_f32(tmp_path):
                              atol=0.05 * np.abs(ref).max())
   last, new_cache = _step(model, ids, _positions(mask), cache, jnp.int32(0), mask_cache,
                           last_logits_only=True)
-  assert last.shape == (2, 1, VOCAB) and new_cache.k.dtype == jnp.bfloat16
+  assert last.shape == (2, 1, VOCAB) and new_cache.k[0].dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(cached[:, -1]),
                              atol=0.01 * np.abs(ref).max())
 
@@ -381,7 +381,7 @@ def test_forward_rejects_bad_inputs():
   with pytest.raises(ValueError, match="positions"):
     model(ids, positions=jnp.zeros((2, 5), jnp.float32))
   cache = model.init_cache(2, 8)
-  assert isinstance(cache, KVCache) and cache.k.shape == (2, 2, 8, 2, 16)
+  assert isinstance(cache, KVCache) and cache.shape == (2, 2, 2, 8, 16) and len(cache.v) == 2
   ok_mask = jnp.ones((2, 8), bool)
   with pytest.raises(ValueError, match="exceeds"):
     model.forward_cached(ids, ids, cache, 4, ok_mask)
@@ -448,7 +448,7 @@ def test_mesh_4x2_matches_one_device(tmp_path):
   assert (sharded.layers[1].mlp.down_proj[...].sharding.spec ==
           expected["layers"][1]["mlp"]["down_proj"].spec)
   cache = sharded.init_cache(4, 16)
-  assert cache.k.sharding.spec == P(None, "data", None, "model", None)
+  assert all(a.sharding.spec == P("data", "model", None, None) for a in cache.k + cache.v)
 
   # Greedy on the mesh (prefill + decode through the sharded cache), then one full forward of
   # the result on one device and on the mesh: same logits, and its argmax reproduces the tokens.

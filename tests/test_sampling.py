@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from salt_jax.models import CausalLM, ModelConfig, shard_model
+from salt_jax import sampling
 from salt_jax.sampling import Sampler, SampleOutput
 from salt_jax.sharding import make_mesh
 
@@ -124,6 +125,20 @@ def test_ragged_batch_equals_each_prompt_alone(setup):
     np.testing.assert_allclose(batch.policy_logprobs[i], alone.policy_logprobs[0], atol=1e-5)
 
 
+def test_many_rows_decode_like_a_few(setup):
+  """Batch buckets past `_FEW_ROWS` decode with the other compiled program: same answers."""
+  model, sampler, _, _, _ = setup
+  few_rows = sampling._FEW_ROWS  # pylint: disable=protected-access
+  big = Sampler(model, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD, max_cache_len=CACHE,
+                prompt_buckets=(8,), batch_buckets=(4, 2 * few_rows))
+  prompts = [PROMPTS[i % 3] for i in range(few_rows + 1)]
+  many = big(prompts, jax.random.key(0), max_new_tokens=MAX_NEW, greedy=True)
+  few = big(PROMPTS, jax.random.key(0), max_new_tokens=MAX_NEW, greedy=True)
+  for i, toks in enumerate(many.tokens):
+    np.testing.assert_array_equal(toks, few.tokens[i % 3])
+    np.testing.assert_allclose(many.policy_logprobs[i], few.policy_logprobs[i % 3], atol=1e-5)
+
+
 def test_stop_string_stops_and_is_included(setup):
   _, sampler, ref, _, eos_at = setup
   stop_at = [i for i in _first_new(ref, 2) if i < eos_at]
@@ -177,7 +192,7 @@ def test_sampled_logprobs_equal_full_forward(setup):
     for i, tok in enumerate(toks):
       ref_lp, allowed = _filtered_logprobs(steps[i], t, k, p)
       assert allowed[tok], f"token {tok} at step {i} is outside the top-k/top-p set"
-      np.testing.assert_allclose(lp[i], ref_lp[tok], atol=1e-5)
+      np.testing.assert_allclose(lp[i], ref_lp[tok], atol=1e-5, rtol=1e-5)  # f32 rounding
 
 
 def test_top_k_one_equals_greedy(setup):
@@ -286,11 +301,19 @@ def _assert_same(got, want):
     np.testing.assert_allclose(gl, wl, atol=1e-5)
 
 
-def test_continuing_equals_full_prefills_over_turns(setup, reuse_sampler):
+@pytest.mark.parametrize("cache_buckets", [None, (16, 32)])
+def test_continuing_equals_full_prefills_over_turns(setup, reuse_sampler, cache_buckets):
   """Three greedy turns: a row that hit EOS, one cut by a stop string, ragged suffixes, a batch
-  that shrinks and reorders; reuse gives the tokens and log-probs of full prefills."""
+  that shrinks and reorders; reuse gives the tokens and log-probs of full prefills. With small
+  cache buckets, the kept cache grows from 16 to 32 to 64 slots on the way."""
   _, _, _, eos, _ = setup
   s = reuse_sampler
+  if cache_buckets is not None:
+    s = Sampler(s.model, eos_token_ids=s.eos_token_ids, pad_token_id=PAD,
+                max_cache_len=REUSE_CACHE, prompt_buckets=s.prompt_buckets,
+                batch_buckets=(4,), stop_check_every=4, cache_buckets=cache_buckets)
+    assert s.cache_buckets == (16, 32, REUSE_CACHE)
+  kept_len = lambda: s._kept.cache.shape[3]  # pylint: disable=protected-access  # noqa: E731
   kw = dict(max_new_tokens=TURN_MAX_NEW, greedy=True, decode_fn=_decode)
   # Reference: full prefills. Turn 2 drops row 1 (finished) and puts row 2 first.
   ref1 = s(PROMPTS, jax.random.key(0), **kw)
@@ -314,14 +337,21 @@ def test_continuing_equals_full_prefills_over_turns(setup, reuse_sampler):
   out1 = s(PROMPTS, jax.random.key(0), keep_cache=True, **kw)
   _assert_same(out1, ref1)
   assert out1.reused_tokens == 0
+  lengths = [kept_len()]
   out2 = s(g2, jax.random.key(0), continue_rows=keep, keep_cache=True, stop_strings=(stop,), **kw)
   _assert_same(out2, ref2)
   assert out2.reused_tokens == sum(len(PROMPTS[r]) + len(ref1.tokens[r]) - 1 for r in keep)
+  lengths.append(kept_len())
   traced = s.num_traces
   out3 = s(g3, jax.random.key(0), continue_rows=[0, 1], keep_cache=True, **kw)
   _assert_same(out3, ref3)
   assert out3.reused_tokens == sum(len(g) + len(t) - 1 for g, t in zip(g2, ref2.tokens))
-  assert s.num_traces == traced  # a later turn in the same buckets compiles nothing
+  lengths.append(kept_len())
+  if cache_buckets is None:
+    assert lengths == [REUSE_CACHE] * 3
+    assert s.num_traces == traced  # a later turn in the same buckets compiles nothing
+  else:
+    assert lengths == [16, 32, REUSE_CACHE]
   # A sampled turn continues with the same key to the same draws.
   out4 = s(g4, jax.random.key(4), continue_rows=[0, 1], **sample)
   assert out4.reused_tokens > 0
@@ -404,3 +434,13 @@ def test_continuing_on_a_mesh(setup, reuse_sampler):
   got = sharded(g2, jax.random.key(0), continue_rows=[0, 1, 2], **kw)
   assert got.reused_tokens > 0
   _assert_same(got, reuse_sampler(g2, jax.random.key(0), **kw))
+
+
+def test_cache_buckets_default_and_bad():
+  model = _model()
+  s = Sampler(model, eos_token_ids=[1], pad_token_id=PAD, max_cache_len=1000)
+  assert s.cache_buckets == (128, 256, 512, 1000)
+  small = Sampler(model, eos_token_ids=[1], pad_token_id=PAD, max_cache_len=64)
+  assert small.cache_buckets == (64,)
+  with pytest.raises(ValueError, match="cache_buckets"):
+    Sampler(model, eos_token_ids=[1], pad_token_id=PAD, max_cache_len=64, cache_buckets=(1, 8))

@@ -53,6 +53,7 @@ def test_t_interval_matches_numpy():
   half = 4.303 * np.std(xs, ddof=1) / math.sqrt(3)
   assert m == pytest.approx(np.mean(xs))
   assert (lo, hi) == pytest.approx((np.mean(xs) - half, np.mean(xs) + half))
+  assert study_report.interval([0.0, 0.05, 0.4], 32)[1] == 0.0  # clipped to [0, 1]
 
 
 def test_wilson_interval_for_one_run():
@@ -100,6 +101,8 @@ def test_summary_and_report(name, tmp_path):
   s = json.load(open(path, encoding="utf-8"))
   assert len(s["runs"]) == len(runs) and s["missing"] == ["unfinished"]
   for row in s["runs"]:
+    assert row["episodes_per_iter"] == (
+        48 if name == "group-size" else study.BASE["group_size"] * study.BASE["tasks_per_iter"])
     its = [i for i, _ in row["eval_curve"]]
     assert its == [0, 2, 4]
     assert row["heldout_success"] == row["eval_curve"][-1][1]
@@ -133,3 +136,12 @@ def test_merge_rates_rejects_bad_task_count():
   import merge_rates  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit, match="--tasks"):
     merge_rates.main(["--tasks", "0", "--out", "/tmp/unused"])
+
+
+def test_late_training_success_is_the_last_third():
+  # pylint: disable=protected-access
+  s = {"base": {"group_size": 8, "tasks_per_iter": 4}}
+  r = {"train_success": [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9]}
+  assert study_report._late_train_success(s, r) == pytest.approx((0.85, 64))  # 2 of 8 iterations
+  r = {"train_success": [0.5], "episodes_per_iter": 48}
+  assert study_report._late_train_success(s, r) == (0.5, 48)

@@ -34,10 +34,20 @@ _INIT_STD = 0.02
 
 
 class KVCache(NamedTuple):
-  """Keys and values of every layer: k, v: dtype[num_layers, B, S, K, H] (post-RoPE keys)."""
+  """Keys and values, one array per layer: k[i], v[i]: dtype[B, K, S, H] (post-RoPE keys).
 
-  k: jax.Array
-  v: jax.Array
+  Heads before slots, so attention contracts each (row, kv head)'s [S, H] block as it lies
+  (with [B, S, K, H], XLA:CPU transposed the whole cache at every decode step); one buffer per
+  layer, so a layer reads its keys in place (slicing one [layers, ...] buffer copied them).
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """(num_layers, B, K, S, H)."""
+    return (len(self.k), *self.k[0].shape)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
@@ -141,9 +151,9 @@ class Attention(nnx.Module):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def attend(self, q, k, v, mask, shard: ActivationSharding):
-    """q[B, T, N, H] over k, v[B, S, K, H] where mask bool[B, T, S] -> out[B, T, D]."""
+    """q[B, T, N, H] over k, v[B, K, S, H] where mask bool[B, T, S] -> out[B, T, D]."""
     b, t, n, h = q.shape
-    rows = _attention_rows_per_chunk(b, n * t * k.shape[1], shard)
+    rows = _attention_rows_per_chunk(b, n * t * k.shape[2], shard)
     if rows == b:
       out = self._attend_rows(q, k, v, mask)
     else:
@@ -156,18 +166,18 @@ class Attention(nnx.Module):
     return token_matmul(out, self.o_proj[...].astype(self.dtype), 2)
 
   def _attend_rows(self, q, k, v, mask):
-    """Softmax attention of q[B, T, N, H] over k, v[B, S, K, H] -> out[B, T, N, H]."""
+    """Softmax attention of q[B, T, N, H] over k, v[B, K, S, H] -> out[B, T, N, H]."""
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
+    kv_heads, s = k.shape[1], k.shape[2]
     g = n // kv_heads
     # Queries of one kv head side by side, [B, K, G*T, H]: one plain batched matmul per (row,
     # kv head); XLA:CPU ran it 1.3x to 2x faster than a 5-d einsum (prefill and decode).
     qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
-    scores = jnp.einsum("bkqh,bskh->bkqs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkqh,bksh->bkqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv_heads, g, t, s)
     scores = jnp.where(mask[:, None, None], scores * self.scale, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).reshape(b, kv_heads, g * t, s)
-    out = jnp.einsum("bkqs,bskh->bkqh", probs, v).reshape(b, kv_heads, g, t, h)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v).reshape(b, kv_heads, g, t, h)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
@@ -286,6 +296,7 @@ class CausalLM(nnx.Module):
     x = self._embed(ids)
     for layer in self.layers:
       q, k, v = layer.attn.project(layer.input_norm(x), cos, sin, shard)
+      k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))  # [B, K, T, H], as `attend` takes them
       x = shard(x + layer.attn.attend(q, k, v, attn_mask, shard), "act_btd")
       x = shard(x + layer.mlp(layer.post_norm(x), shard), "act_btd")
     return self.final_norm(x)
@@ -298,17 +309,18 @@ class CausalLM(nnx.Module):
   # ---- KV-cache forward for sampling ----
 
   def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """Zeroed cache: k, v dtype[num_layers, batch_size, max_len, K, H] (dtype: model's)."""
+    """Zeroed cache: per layer, k and v dtype[batch_size, K, max_len, H] (dtype: model's)."""
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     c = self.config
-    shape = (c.num_layers, int(batch_size), int(max_len), c.num_kv_heads, c.head_dim)
+    shape = (int(batch_size), c.num_kv_heads, int(max_len), c.head_dim)
     dtype = self.dtype if dtype is None else dtype
     # Each device allocates only its shard (None: the default device).
-    sharding = self.activation_sharding.sharding(shape, "cache_lbskh")
-    return KVCache(jnp.zeros(shape, dtype, device=sharding),
-                   jnp.zeros(shape, dtype, device=sharding))
+    sharding = self.activation_sharding.sharding(shape, "cache_bksh")
+    zeros = lambda: tuple(jnp.zeros(shape, dtype, device=sharding)  # noqa: E731
+                          for _ in range(c.num_layers))
+    return KVCache(zeros(), zeros())
 
   def forward_cached(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
                      cache_index: jax.Array, attention_mask_cache: jax.Array, *,
@@ -318,7 +330,7 @@ class CausalLM(nnx.Module):
     Args:
       input_ids: i32[B, T] the new tokens (a left-padded prompt for prefill, one token to decode).
       positions: i32[B, T] their RoPE positions.
-      cache: KVCache of shape [num_layers, B, S, K, H].
+      cache: KVCache of num_layers arrays [B, K, S, H] each for k and v.
       cache_index: scalar int, may be traced: slot of the first of the T tokens, the same for
         all rows. Must satisfy cache_index + T <= S (checked when concrete; a traced index past
         the end would be clamped by dynamic_update_slice).
@@ -341,12 +353,13 @@ class CausalLM(nnx.Module):
     b, t = input_ids.shape
     if not isinstance(cache, KVCache):
       raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
-    if cache.k.ndim != 5 or cache.k.shape != cache.v.shape:
-      raise ValueError(f"cache k and v must both be [layers, B, S, K, H], got {cache.k.shape} "
-                       f"and {cache.v.shape}")
-    n_layers, cb, s, ck, ch = cache.k.shape
+    shapes = {tuple(a.shape) for a in (*cache.k, *cache.v)}
+    if len(cache.k) != len(cache.v) or not cache.k or len(shapes) != 1 or len(min(shapes)) != 4:
+      raise ValueError(f"cache k and v must be equal numbers of same-shaped [B, K, S, H] arrays, "
+                       f"got shapes {[a.shape for a in cache.k]} and {[a.shape for a in cache.v]}")
+    n_layers, (cb, ck, s, ch) = len(cache.k), cache.k[0].shape
     if (n_layers, cb, ck, ch) != (c.num_layers, b, c.num_kv_heads, c.head_dim):
-      raise ValueError(f"cache shape {cache.k.shape} does not fit batch {b} and this model "
+      raise ValueError(f"cache shape {cache.shape} does not fit batch {b} and this model "
                        f"({c.num_layers} layers, {c.num_kv_heads} kv heads, head_dim "
                        f"{c.head_dim})")
     if t > s:
@@ -370,21 +383,23 @@ class CausalLM(nnx.Module):
     cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), c.head_dim, c.rope_theta)
     shard = self.activation_sharding
     zero = jnp.zeros((), jnp.int32)
-    cache_k, cache_v = cache.k, cache.v
+    start = (zero, zero, index, zero)
+    new_k, new_v = [], []
     x = self._embed(jnp.asarray(input_ids, jnp.int32))
     for i, layer in enumerate(self.layers):
       q, k, v = layer.attn.project(layer.input_norm(x), cos, sin, shard)
-      start = (jnp.asarray(i, jnp.int32), zero, index, zero, zero)
       # Write only the T new slots of layer i; the rest of the buffer is untouched (in place
       # when the caller donates the cache).
-      cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
-      cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
-      keys = cache_k[i].astype(self.dtype)
-      values = cache_v[i].astype(self.dtype)
-      x = shard(x + layer.attn.attend(q, keys, values, attn_mask, shard), "act_btd")
+      keys, values = (
+          shard(jax.lax.dynamic_update_slice(buf, new.transpose(0, 2, 1, 3).astype(buf.dtype),
+                                             start), "cache_bksh")
+          for buf, new in ((cache.k[i], k), (cache.v[i], v)))
+      new_k.append(keys)
+      new_v.append(values)
+      x = shard(x + layer.attn.attend(q, keys.astype(self.dtype), values.astype(self.dtype),
+                                      attn_mask, shard), "act_btd")
       x = shard(x + layer.mlp(layer.post_norm(x), shard), "act_btd")
     if last_logits_only:
       x = x[:, -1:]
     logits = self.logits_from_hidden(self.final_norm(x))
-    new_cache = KVCache(shard(cache_k, "cache_lbskh"), shard(cache_v, "cache_lbskh"))
-    return logits, new_cache
+    return logits, KVCache(tuple(new_k), tuple(new_v))
