@@ -391,6 +391,12 @@ def test_forward_rejects_bad_inputs():
     model.forward_cached(ids, ids, model.init_cache(3, 8), 0, ok_mask)
   with pytest.raises(ValueError, match="scalar"):
     model.forward_cached(ids, ids, cache, jnp.zeros((2,), jnp.int32), ok_mask)
+  for bad in (KVCache(cache.k, cache.v[:1]), KVCache(cache.k, (cache.v[0], cache.v[1][:, :, :4])),
+              KVCache((), ())):
+    with pytest.raises(ValueError, match="same-shaped"):
+      model.forward_cached(ids, ids, bad, 0, ok_mask)
+  with pytest.raises(ValueError, match="cache shape"):  # one layer short
+    model.forward_cached(ids, ids, KVCache(cache.k[:1], cache.v[:1]), 0, ok_mask)
   with pytest.raises(ValueError, match="max_len"):
     model.init_cache(2, 0)
 
