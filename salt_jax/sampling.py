@@ -156,6 +156,14 @@ def _few_rows_compiler_options() -> dict | None:
   return None
 
 
+def _doublings(start: int, limit: int) -> list[int]:
+  """start, 2 start, 4 start, ... up to limit (start itself even past it)."""
+  out = [start]
+  while out[-1] * 2 <= limit:
+    out.append(out[-1] * 2)
+  return out
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
   """Smallest bucket >= n, or None."""
   fits = [b for b in buckets if b >= n]
@@ -249,17 +257,13 @@ class Sampler:
     self.pad_token_id = int(pad_token_id)
     self.max_cache_len = int(max_cache_len)
     if prompt_buckets is None:
-      prompt_buckets = [16]
-      while prompt_buckets[-1] * 2 <= self.max_cache_len:
-        prompt_buckets.append(prompt_buckets[-1] * 2)
+      prompt_buckets = _doublings(16, self.max_cache_len)
     self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
     if not self.prompt_buckets or self.prompt_buckets[0] < 1:
       raise ValueError(f"prompt_buckets must be positive lengths, got {prompt_buckets}")
     self._mesh = mesh
     if cache_buckets is None:
-      cache_buckets = [128]
-      while cache_buckets[-1] * 2 < self.max_cache_len:
-        cache_buckets.append(cache_buckets[-1] * 2)
+      cache_buckets = _doublings(128, self.max_cache_len)
     self.cache_buckets = tuple(sorted({min(int(b), self.max_cache_len) for b in cache_buckets}
                                       | {self.max_cache_len}))
     if self.cache_buckets[0] < 2:
