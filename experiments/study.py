@@ -13,7 +13,11 @@ games' walkthroughs once, shared by every run), the task order, the rollout seed
 hyperparameters. Runs go `--jobs` at a time, each in its own process pinned to one
 core. A run whose metrics are complete is not run again, so an interrupted study resumes.
 
-Results: `<out>/<experiment>/runs/<run>/metrics.jsonl` (the trainer's), and
+A run whose config equals a finished run of another experiment (the headline's GRPO-s0 is the
+history ablation's GRPO-s0 and its h=3 run) is copied from it, marked by a `REUSED_FROM` file.
+
+Results: `<out>/warmstart-<env>/` (the warm start and its evaluation, one per environment),
+`<out>/<experiment>/runs/<run>/metrics.jsonl` (the trainer's), and
 `<out>/<experiment>/summary.json`, one row per run: its setting, held-out success at the end
 (greedy, `EVAL_TASKS` games), the training curve and the time per phase.
 """
@@ -25,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -113,15 +118,21 @@ def _complete(out: str, iters: int) -> bool:
   return bool(rows) and rows[-1]["iteration"] == iters - 1
 
 
-def warm_start_and_eval(env: dict, root: str, seed: int = 0) -> str:
-  """The behaviour-cloning warm start every run of an experiment starts from, and its held-out
-  success (greedy, the same games as the runs' evaluations) in `sft/eval.json`: every learning
-  curve starts there, at iteration 0. One warm start for all seeds keeps the CPU budget; the
-  seeds vary the RL (task order, sampling, mini-batch order)."""
+def warm_start_dir(env: dict, out_root: str) -> str:
+  """Where an environment's warm start lives: one per environment, shared by its experiments."""
+  return os.path.join(out_root, f"warmstart-{env['env']}")
+
+
+def warm_start_and_eval(env: dict, out_root: str, seed: int = 0) -> str:
+  """The behaviour-cloning warm start every run on `env` starts from, and its held-out success
+  (greedy, the same games as the runs' evaluations) in `eval.json`: every learning curve starts
+  there, at iteration 0. One warm start for all seeds and experiments keeps the CPU budget (and
+  makes a run's config identical wherever it recurs, see `_reuse`); the seeds vary the RL (task
+  order, sampling, mini-batch order)."""
   # pylint: disable=import-outside-toplevel
   from sft_warmstart import SFT_SUBDIR, warm_start
   from salt_jax.train import Trainer
-  out = os.path.join(root, "sft")
+  out = warm_start_dir(env, out_root)
   path = os.path.join(out, SFT_SUBDIR)
   cfg = _config(env, Run("sft", seed, {}, {}), out, 1, None)
   if not os.path.isdir(path):
@@ -137,6 +148,39 @@ def warm_start_and_eval(env: dict, root: str, seed: int = 0) -> str:
   return path
 
 
+def _config_key(cfg) -> str:
+  """A run's config minus its output folder: equal keys train the very same run."""
+  fields = cfg.to_json()
+  fields.pop("out")
+  return json.dumps(fields, sort_keys=True)
+
+
+def _reuse(cfg, out_root: str, iters: int) -> str | None:
+  """A finished run of another experiment with `cfg`'s exact config (the headline's GRPO-s0 is
+  the history ablation's GRPO-s0): its folder, else None. Training is deterministic for a config
+  (tests/test_train.py), so rerunning it would only spend the CPU again."""
+  key = _config_key(cfg)
+  for exp in sorted(os.listdir(out_root)):
+    runs = os.path.join(out_root, exp, "runs")
+    if not os.path.isdir(runs):
+      continue
+    for name in sorted(os.listdir(runs)):
+      folder = os.path.join(runs, name)
+      path = os.path.join(folder, "config.json")
+      if os.path.abspath(folder) == os.path.abspath(cfg.out) or not os.path.exists(path) \
+          or os.path.exists(os.path.join(folder, REUSED)) or not _complete(folder, iters):
+        continue
+      with open(path, encoding="utf-8") as f:
+        other = json.load(f)
+      other.pop("out", None)
+      if json.dumps(other, sort_keys=True) == key:
+        return folder
+  return None
+
+
+REUSED = "REUSED_FROM"  # in a run folder whose metrics were copied from an identical run
+
+
 def _launch(args_json: str, core: int | None) -> subprocess.Popen:
   cmd = [sys.executable, os.path.abspath(__file__), "_run", args_json]
   if core is not None and hasattr(os, "sched_setaffinity"):
@@ -150,7 +194,7 @@ def run_experiment(name: str, seeds: list[int], iters: int, jobs: int, out_root:
   root = os.path.join(out_root, name)
   os.makedirs(root, exist_ok=True)
   t0 = time.perf_counter()
-  sft = warm_start_and_eval(env, root)
+  sft = warm_start_and_eval(env, out_root)
   print(f"[study] {name}: warm start ready ({time.perf_counter() - t0:.0f}s)", flush=True)
   todo = []
   for r in runs:
@@ -158,8 +202,16 @@ def run_experiment(name: str, seeds: list[int], iters: int, jobs: int, out_root:
     if _complete(out, iters):
       continue
     if os.path.isdir(out):  # an interrupted run: start it again from scratch
-      import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(out)
+    same = _reuse(_config(env, r, out, iters, sft), out_root, iters)
+    if same is not None:
+      os.makedirs(out)
+      for f in ("config.json", "metrics.jsonl"):
+        shutil.copy(os.path.join(same, f), out)
+      with open(os.path.join(out, REUSED), "w", encoding="utf-8") as f:
+        f.write(os.path.relpath(same, out_root) + "\n")
+      print(f"[study] {r.name}: the same run as {os.path.relpath(same, out_root)}", flush=True)
+      continue
     todo.append(json.dumps(dict(env=env, run=dataclasses.asdict(r), out=out, iters=iters,
                                 sft=sft)))
   cores = list(range(jobs)) if jobs > 1 else [None]
@@ -221,8 +273,8 @@ def trajectory_graph_figure(out_root: str, docs: str, seed: int = 0, group_size:
   import salt_jax
   from salt_jax.train import Trainer
   from salt_jax.viz import plot_trajectory_graph
-  sft = os.path.join(out_root, "headline", "sft", "sft_params")
   env, _ = experiment_runs("headline", [seed])
+  sft = os.path.join(warm_start_dir(env, out_root), "sft_params")
   cfg = _config(env, Run("graph", seed, {}, {}), os.path.join(out_root, "graph-tmp"), 1,
                 sft if os.path.isdir(sft) else None)
   with Trainer(cfg) as t:
@@ -256,6 +308,7 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
   the runs not finished yet are listed under "missing" (the study writes it after every run, so
   an interrupted study still reports what it has)."""
   rows, missing = [], []
+  env, _ = experiment_runs(name, [0])
   for r in runs:
     if not _complete(os.path.join(root, "runs", r.name), iters):
       missing.append(r.name)
@@ -263,17 +316,24 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
     with open(os.path.join(root, "runs", r.name, "metrics.jsonl"), encoding="utf-8") as f:
       ms = [json.loads(line) for line in f if line.strip()]
     evals = [(m["iteration"] + 1, _eval_success(m)) for m in ms if _eval_success(m) is not None]
-    start = os.path.join(root, "sft", "eval.json")
+    start = os.path.join(warm_start_dir(env, os.path.dirname(root)), "eval.json")
     if os.path.exists(start):
       with open(start, encoding="utf-8") as f:
         evals.insert(0, (0, _eval_success(json.load(f))))
+    reused = os.path.join(root, "runs", r.name, REUSED)
+    if os.path.exists(reused):
+      with open(reused, encoding="utf-8") as f:
+        same_as = f.read().strip()
+    else:
+      same_as = None
     rows.append(dict(
-        run=r.name, seed=r.seed, **r.labels,
+        run=r.name, seed=r.seed, **r.labels, same_as=same_as,
         episodes_per_iter=_episodes_per_iter(r),
         heldout_success=evals[-1][1] if evals else None, eval_curve=evals,
         train_success=[m["success_rate"] for m in ms],
         merge_rate=[m.get("merge_rate") for m in ms],
         cross_prompt_merges=[m.get("cross_prompt_merges", 0) for m in ms],
+        adv_frac_changed=[m.get("adv_frac_changed") for m in ms],
         valid_action_ratio=[m["valid_action_ratio"] for m in ms],
         time={p: _mean([m.get(f"time/{p}") for m in ms]) for p in PHASES + ("iteration",)}))
   path = os.path.join(root, "summary.json")
@@ -310,7 +370,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.experiment == "report":
     from study_report import docs_dir, report  # pylint: disable=import-outside-toplevel
-    if os.path.isdir(os.path.join(args.out, "headline", "sft")):
+    if os.path.isdir(warm_start_dir(TEXTWORLD, args.out)):
       trajectory_graph_figure(args.out, docs_dir(args.out))
     print(report(args.out))
     return 0

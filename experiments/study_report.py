@@ -123,25 +123,53 @@ def headline_figures(s: dict, docs: str, tag: str) -> list[str]:
   return [path]
 
 
+def _success_stats(s: dict, rows: list[dict]) -> tuple[tuple, tuple]:
+  """(held-out, training last third) success intervals of one setting's runs."""
+  held = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
+  late = [_late_train_success(s, r) for r in rows]
+  return held, interval([x for x, _ in late], late[0][1])
+
+
+def _success_panel(ax, s: dict, xs: list, rows_at: dict, label: str, **kw):
+  """Held-out (dashed) and training last-third (solid) success against a setting."""
+  stats = [_success_stats(s, rows_at[x]) for x in xs]
+  line = ax.errorbar(xs, [t[1][0] for t in stats], yerr=[[t[1][0] - t[1][1] for t in stats],
+                                                         [t[1][2] - t[1][0] for t in stats]],
+                     marker="o", capsize=4, label=f"{label}: training, last third", **kw)
+  ax.plot(xs, [t[0][0] for t in stats], ls="--", marker="x", color=line[0].get_color(),
+          label=f"{label}: held-out")
+
+
 def history_figure(s: dict, docs: str) -> list[str]:
   _, plt = _pyplot()
   by_h = _by(s["runs"], "h")
-  fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(16, 4.2))
   hs = sorted(h for h in by_h if h > 0)
-  stats = [interval([r["heldout_success"] for r in by_h[h]], s["eval_tasks"]) for h in hs]
-  _errorbar(a0, hs, stats, label="GRPO+SALT")
+  _success_panel(a0, s, hs, by_h, "GRPO+SALT")
   if 0 in by_h:
-    g = interval([r["heldout_success"] for r in by_h[0]], s["eval_tasks"])
-    a0.axhline(g[0], color="gray", ls="--", label="GRPO (no SALT)")
-    a0.axhspan(g[1], g[2], color="gray", alpha=0.12)
-  a0.set(xlabel="SALT history h", ylabel="held-out success", title="history length", xticks=hs)
-  a0.legend()
+    held, late = _success_stats(s, by_h[0])
+    a0.axhline(late[0], color="gray", ls="-", label="GRPO: training, last third")
+    a0.axhspan(late[1], late[2], color="gray", alpha=0.12)
+    a0.axhline(held[0], color="gray", ls="--", label="GRPO: held-out")
+  a0.set(xlabel="SALT history h", ylabel="success", title="success against h", xticks=hs)
+  a0.legend(fontsize=7)
   for h in hs:
     mr = _nanmean_curves([[x if x is not None else math.nan for x in r["merge_rate"]]
                           for r in by_h[h]])
     a1.plot(range(1, len(mr) + 1), mr, label=f"h={h}")
   a1.set(xlabel="iteration", ylabel="merge rate", title="merge rate per iteration")
   a1.legend()
+  changed = [statistics.fmean(_mean_of(r, "adv_frac_changed") for r in by_h[h]) for h in hs]
+  cross = [statistics.fmean(_mean_of(r, "cross_prompt_merges") for r in by_h[h]) for h in hs]
+  a2.bar([h - 0.2 for h in hs], changed, width=0.4, label="advantages changed (share)")
+  a2.set(xlabel="SALT history h", ylabel="share of steps", xticks=hs,
+         title="what SALT changed (mean per iteration)")
+  a2b = a2.twinx()
+  a2b.bar([h + 0.2 for h in hs], cross, width=0.4, color="tab:orange",
+          label="merges across different prompts")
+  a2b.set_ylabel("cross-prompt merges per iteration")
+  a2.legend(loc="upper left", fontsize=7)
+  a2b.legend(loc="upper right", fontsize=7)
   path = _save(fig, docs, "history_ablation.png")
   return [path]
 
@@ -152,14 +180,17 @@ def group_size_figure(s: dict, docs: str) -> list[str]:
   for m, rows in _by(s["runs"], "method").items():
     by_g = _by(rows, "G")
     gs = sorted(by_g)
-    st = [interval([r["heldout_success"] for r in by_g[g]], s["eval_tasks"]) for g in gs]
-    _errorbar(a0, gs, st, label=m)
+    _success_panel(a0, s, gs, by_g, m)
     if m == "GRPO+SALT":
-      a1.plot(gs, [statistics.fmean(_mean_merge(r) for r in by_g[g]) for g in gs], marker="o")
-  a0.set(xlabel="group size G", ylabel="held-out success",
+      a1.plot(gs, [statistics.fmean(_mean_merge(r) for r in by_g[g]) for g in gs], marker="o",
+              label="merge rate")
+      a1.plot(gs, [statistics.fmean(_mean_of(r, "adv_frac_changed") for r in by_g[g])
+                   for g in gs], marker="s", label="advantages changed (share)")
+  a0.set(xlabel="group size G", ylabel="success",
          title="group size (48 trajectories an iteration)")
-  a0.legend()
-  a1.set(xlabel="group size G", ylabel="mean merge rate", title="merge rate against G")
+  a0.legend(fontsize=7)
+  a1.set(xlabel="group size G", ylabel="share of steps", title="SALT against G")
+  a1.legend()
   path = _save(fig, docs, "group_size_ablation.png")
   return [path]
 
@@ -242,9 +273,14 @@ def merge_rate_figure(mr: dict, docs: str) -> tuple[list[str], str]:
   return [path], "\n".join(lines)
 
 
-def _mean_merge(r):
-  xs = [x for x in r["merge_rate"] if x is not None and not math.isnan(x)]
+def _mean_of(r: dict, key: str) -> float:
+  """Mean over iterations of a summary row's per-iteration `key` (NaN and None skipped)."""
+  xs = [x for x in r.get(key) or [] if x is not None and not math.isnan(x)]
   return statistics.fmean(xs) if xs else math.nan
+
+
+def _mean_merge(r):
+  return _mean_of(r, "merge_rate")
 
 
 def _pct(x):
@@ -261,19 +297,22 @@ def _late_train_success(s: dict, r: dict) -> tuple[float, int]:
 
 def table(s: dict, key: str) -> str:
   lines = [f"| {key} | held-out success % (95% CI) | training success %, last third (95% CI) "
-           "| runs | mean merge rate | cross-prompt merges / iter | valid actions % |",
-           "|---|---|---|---|---|---|---|"]
+           "| runs | mean merge rate | advantages changed % | cross-prompt merges / iter "
+           "| valid actions % |",
+           "|---|---|---|---|---|---|---|---|"]
   for k, rows in _by(s["runs"], key).items():
     m, lo, hi = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
     late = [_late_train_success(s, r) for r in rows]
     tm, tlo, thi = interval([x for x, _ in late], late[0][1])
     mr = [_mean_merge(r) for r in rows]
-    cpm = statistics.fmean(statistics.fmean(r["cross_prompt_merges"]) for r in rows)
+    cpm = statistics.fmean(_mean_of(r, "cross_prompt_merges") for r in rows)
+    changed = statistics.fmean(_mean_of(r, "adv_frac_changed") for r in rows)
     va = statistics.fmean(statistics.fmean(r["valid_action_ratio"]) for r in rows)
     mmr = statistics.fmean(mr)
     lines.append(f"| {k} | {_pct(m)} ({_pct(lo)} to {_pct(hi)}) | "
                  f"{_pct(tm)} ({_pct(tlo)} to {_pct(thi)}) | {len(rows)} | "
-                 f"{'n/a' if math.isnan(mmr) else f'{mmr:.3f}'} | {cpm:.1f} | {100 * va:.1f} |")
+                 f"{'n/a' if math.isnan(mmr) else f'{mmr:.3f}'} | {_pct(changed)} | {cpm:.1f} | "
+                 f"{100 * va:.1f} |")
   return "\n".join(lines)
 
 

@@ -74,7 +74,8 @@ def _fake_metrics(path, iters, seed, salt):
     for it in range(iters):
       m = {"iteration": it, "success_rate": float(rng.uniform()),
            "valid_action_ratio": 0.9, "merge_rate": float(rng.uniform()) if salt else math.nan,
-           "cross_prompt_merges": 3 if salt else 0}
+           "cross_prompt_merges": 3 if salt else 0,
+           "adv_frac_changed": float(rng.uniform()) if salt else 0.0}
       m.update({f"time/{p}": 0.1 for p in study.PHASES + ("iteration",)})
       if (it + 1) % 2 == 0:
         m["eval/heldout/success_rate"] = float(rng.uniform())
@@ -92,8 +93,9 @@ def test_summary_and_report(name, tmp_path):
     assert study._complete(str(root / "runs" / r.name), 4)  # pylint: disable=protected-access
     assert not study._complete(str(root / "runs" / r.name), 5)  # pylint: disable=protected-access
   # The warm start was evaluated: every run's curve starts there, at iteration 0.
-  (root / "sft").mkdir()
-  (root / "sft" / "eval.json").write_text(json.dumps({"eval/heldout/success_rate": 0.125}))
+  start = out / "warmstart-textworld"
+  start.mkdir()
+  (start / "eval.json").write_text(json.dumps({"eval/heldout/success_rate": 0.125}))
   # A run that has not finished is listed as missing, not summarized.
   _fake_metrics(root / "runs" / "unfinished", 2, 0, False)
   extra = study.Run("unfinished", 0, {}, dict(runs[0].labels))
@@ -112,6 +114,65 @@ def test_summary_and_report(name, tmp_path):
   pngs = [f for f in os.listdir(tmp_path / "docs") if f.endswith(".png")]
   assert pngs and all((tmp_path / "docs" / f).stat().st_size > 1000 for f in pngs)
   assert (tmp_path / "docs" / "results.md").read_text(encoding="utf-8") == text
+
+
+def _finished_run(folder, cfg, iters):
+  os.makedirs(folder)
+  with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(cfg.to_json(), f)
+  _fake_metrics(folder, iters, 0, True)
+
+
+def test_reuse_finds_only_a_finished_run_of_the_same_config(tmp_path):
+  # pylint: disable=protected-access
+  env, runs = study.experiment_runs("history", [0])
+  h3 = next(r for r in runs if r.name == "SALT-h3-s0")
+  h2 = next(r for r in runs if r.name == "SALT-h2-s0")
+  sft = str(tmp_path / "warmstart-textworld" / "sft_params")
+  headline = tmp_path / "headline" / "runs"
+  _, hruns = study.experiment_runs("headline", [0])
+  salt = next(r for r in hruns if r.name == "GRPO+SALT-s0")
+  _finished_run(str(headline / salt.name), study._config(env, salt, str(headline / salt.name),
+                                                         4, sft), 4)
+  here = tmp_path / "history" / "runs"
+  cfg = lambda r, iters=4, s=sft: study._config(env, r, str(here / r.name), iters, s)  # noqa: E731
+  assert study._reuse(cfg(h3), str(tmp_path), 4) == str(headline / salt.name)
+  assert study._reuse(cfg(h2), str(tmp_path), 4) is None  # another h
+  assert study._reuse(cfg(h3, 5), str(tmp_path), 5) is None  # more iterations: not finished
+  assert study._reuse(cfg(h3, s=sft + "-other"), str(tmp_path), 4) is None  # another start
+  # A copy is never the source of another copy.
+  (headline / salt.name / study.REUSED).write_text("x")
+  assert study._reuse(cfg(h3), str(tmp_path), 4) is None
+
+
+def test_run_experiment_copies_identical_runs_instead_of_training(tmp_path):
+  # Every run is either finished in place or the same as a headline run: nothing trains.
+  # pylint: disable=protected-access
+  env, runs = study.experiment_runs("history", [0])
+  start = tmp_path / "warmstart-textworld"
+  (start / "sft_params").mkdir(parents=True)  # a warm start exists: none is trained
+  (start / "eval.json").write_text(json.dumps({"eval/heldout/success_rate": 0.25}))
+  sft = str(start / "sft_params")
+  _, hruns = study.experiment_runs("headline", [0])
+  for r in hruns:
+    folder = tmp_path / "headline" / "runs" / r.name
+    _finished_run(str(folder), study._config(env, r, str(folder), 4, sft), 4)
+  for r in runs:
+    if r.name not in ("GRPO-s0", "SALT-h3-s0"):
+      folder = tmp_path / "history" / "runs" / r.name
+      _finished_run(str(folder), study._config(env, r, str(folder), 4, sft), 4)
+  path = study.run_experiment("history", [0], 4, 1, str(tmp_path))
+  s = json.load(open(path, encoding="utf-8"))
+  assert not s["missing"] and len(s["runs"]) == len(runs)
+  copied = tmp_path / "history" / "runs" / "SALT-h3-s0"
+  assert (copied / study.REUSED).read_text().strip() == os.path.join("headline", "runs",
+                                                                      "GRPO+SALT-s0")
+  assert (copied / "metrics.jsonl").read_text() == (
+      tmp_path / "headline" / "runs" / "GRPO+SALT-s0" / "metrics.jsonl").read_text()
+  assert all(row["eval_curve"][0] == [0, 0.25] for row in s["runs"])
+  same = {row["run"]: row["same_as"] for row in s["runs"] if row["same_as"]}
+  assert same == {"GRPO-s0": os.path.join("headline", "runs", "GRPO-s0"),
+                  "SALT-h3-s0": os.path.join("headline", "runs", "GRPO+SALT-s0")}
 
 
 def test_merge_rates_on_real_textworld_groups(tmp_path):
