@@ -27,7 +27,7 @@ the tasks and every later phase runs on the gathered global batch, on a mesh ove
 
 Shapes are bucketed so each jitted function compiles once per bucket: trajectories are padded to
 tasks_per_iter * G, steps and merged-edge counts to powers of two, token rows to `minibatch_rows`
-and their length to a power of two (`batching.bucket_length`).
+and their length to a power of two or 1.5 times one (`batching.bucket_length`).
 """
 
 from __future__ import annotations

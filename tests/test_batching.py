@@ -60,6 +60,12 @@ def test_bucket_length():
   assert [batching.bucket_length(n) for n in (0, 1, 16, 17, 100, 1024, 1025)] == [
       16, 16, 16, 32, 128, 1024, 2048]
   assert batching.bucket_length(3, min_length=1) == 4
+  # With half steps: the next of 2^k and 1.5 * 2^k, against a brute-force search.
+  for n in list(range(0, 300)) + [767, 768, 769, 1025, 1536, 1537, 3000]:
+    for lo in (1, 4, 16, 256):
+      buckets = sorted({1 << k for k in range(14)} | {3 << k for k in range(13)})
+      want = min(b for b in buckets if b >= max(n, lo))
+      assert batching.bucket_length(n, lo, half_steps=True) == want, (n, lo)
   with pytest.raises(ValueError):
     batching.bucket_length(-1)
   with pytest.raises(ValueError):
@@ -91,7 +97,7 @@ def test_step_rows_against_reference(seed):
   kept = np.flatnonzero(mask)
   assert tb.input_ids.shape[0] == max(4, -(-len(kept) // 4) * 4)
   assert tb.input_ids.shape[1] == batching.bucket_length(
-      max([len(prompts[k]) + len(resps[k]) for k in kept], default=1), 4)
+      max([len(prompts[k]) + len(resps[k]) for k in kept], default=1), 4, half_steps=True)
   for row, k in enumerate(kept):
     seq = list(prompts[k]) + list(resps[k])
     n, P = len(seq), len(prompts[k])

@@ -401,9 +401,11 @@ def test_forward_rejects_bad_inputs():
     model.init_cache(2, 0)
 
 
-def test_row_chunked_attention_matches_whole_batch(monkeypatch):
-  # The parity shapes are too small to be cut into rows: force one row per chunk and compare
-  # logits and gradients with the whole-batch path.
+@pytest.mark.parametrize("cut", ["rows", "query_blocks", "both"])
+def test_cut_attention_matches_whole_batch(cut, monkeypatch):
+  # The parity shapes are too small to be cut: force one row per chunk and/or causal query
+  # blocks of 4 (10 tokens: blocks of 4, 4 and 2, each over the keys up to its end) and compare
+  # logits and gradients with the whole-batch, whole-square path.
   from salt_jax.models import qwen2
   model = _random_model(ModelConfig.tiny(), 0)
   ids, mask = _prompts(4, 10, seed=3)
@@ -416,11 +418,18 @@ def test_row_chunked_attention_matches_whole_batch(monkeypatch):
     return logits, grads
 
   assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, model.activation_sharding) == 4
+  assert qwen2._CAUSAL_QUERY_BLOCK >= 10
   whole_logits, whole_grads = logits_and_grads()
-  monkeypatch.setattr(qwen2, "_ATTENTION_CHUNK_BYTES", 1)
-  assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, model.activation_sharding) == 1
+  if cut in ("rows", "both"):
+    monkeypatch.setattr(qwen2, "_ATTENTION_CHUNK_BYTES", 1)
+    assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, model.activation_sharding) == 1
+  if cut in ("query_blocks", "both"):
+    monkeypatch.setattr(qwen2, "_CAUSAL_QUERY_BLOCK", 4)
   logits, grads = logits_and_grads()
-  np.testing.assert_allclose(np.asarray(logits), np.asarray(whole_logits), atol=1e-5, rtol=0)
+  # At left padding (no valid key at or before it) a query's output is a meaningless uniform
+  # average over whatever keys its block sees; only real tokens must agree.
+  np.testing.assert_allclose(np.asarray(logits)[mask], np.asarray(whole_logits)[mask],
+                             atol=1e-5, rtol=0)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
     b = np.asarray(b)  # f32 sums in another order: error relative to the gradient's scale
     np.testing.assert_allclose(np.asarray(a), b, atol=1e-5 * np.abs(b).max(), rtol=0)
