@@ -343,6 +343,23 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
   return path
 
 
+def refresh_summaries(out_root: str) -> list[str]:
+  """Rewrites every experiment's summary.json from its run folders (same seeds and iterations),
+  so a report always reads what this version of `write_summary` records."""
+  paths = []
+  for name in ("headline", "history", "group-size", "matching", "alfworld"):
+    path = os.path.join(out_root, name, "summary.json")
+    if not os.path.exists(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      s = json.load(f)
+    seeds = sorted({row["seed"] for row in s["runs"]}
+                   | {int(m.rsplit("-s", 1)[1]) for m in s.get("missing", [])})
+    _, runs = experiment_runs(name, seeds or [0])
+    paths.append(write_summary(name, runs, os.path.join(out_root, name), s["iters"]))
+  return paths
+
+
 def _eval_success(m: dict):
   keys = [k for k in m if k.startswith("eval/") and k.endswith("/success_rate")
           and k.count("/") == 2]
@@ -370,6 +387,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.experiment == "report":
     from study_report import docs_dir, report  # pylint: disable=import-outside-toplevel
+    refresh_summaries(args.out)
     if os.path.isdir(warm_start_dir(TEXTWORLD, args.out)):
       trajectory_graph_figure(args.out, docs_dir(args.out))
     print(report(args.out))

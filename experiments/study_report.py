@@ -168,6 +168,8 @@ def history_figure(s: dict, docs: str) -> list[str]:
   a2b.bar([h + 0.2 for h in hs], cross, width=0.4, color="tab:orange",
           label="merges across different prompts")
   a2b.set_ylabel("cross-prompt merges per iteration")
+  a2.set_ylim(0, 1.35 * max(changed + [1e-3]))  # headroom for the legends
+  a2b.set_ylim(0, 1.35 * max(cross + [1e-3]))
   a2.legend(loc="upper left", fontsize=7)
   a2b.legend(loc="upper right", fontsize=7)
   path = _save(fig, docs, "history_ablation.png")

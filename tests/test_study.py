@@ -170,6 +170,12 @@ def test_run_experiment_copies_identical_runs_instead_of_training(tmp_path):
   assert (copied / "metrics.jsonl").read_text() == (
       tmp_path / "headline" / "runs" / "GRPO+SALT-s0" / "metrics.jsonl").read_text()
   assert all(row["eval_curve"][0] == [0, 0.25] for row in s["runs"])
+  # A report rewrites the summary from the run folders: same runs, fields of this version.
+  s["runs"][0].pop("same_as")
+  json.dump(s, open(path, "w", encoding="utf-8"))
+  assert study.refresh_summaries(str(tmp_path)) == [path]
+  s = json.load(open(path, encoding="utf-8"))
+  assert len(s["runs"]) == len(runs) and all("same_as" in row for row in s["runs"])
   same = {row["run"]: row["same_as"] for row in s["runs"] if row["same_as"]}
   assert same == {"GRPO-s0": os.path.join("headline", "runs", "GRPO-s0"),
                   "SALT-h3-s0": os.path.join("headline", "runs", "GRPO+SALT-s0")}
