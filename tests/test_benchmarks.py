@@ -1,4 +1,4 @@
-"""The accelerator benchmark's arithmetic, and that it runs (tiny shapes on this CPU)."""
+"""The accelerator benchmark's arithmetic, and that the benchmarks run (tiny shapes on this CPU)."""
 
 import os
 import sys
@@ -34,3 +34,13 @@ def test_qwen_shape_has_1_5b_params():
   per_layer = d * q + q + 2 * (d * kv + kv) + q * d + 3 * d * f + 2 * d
   total = c["vocab_size"] * d + n_layers * per_layer + d
   assert total == pytest.approx(1.54e9, rel=0.01)  # Qwen2.5-1.5B: 1.54 B parameters
+
+
+def test_long_context_bench_runs_and_restores_the_block(capsys):
+  import bench_long_context  # pylint: disable=import-outside-toplevel
+  from salt_jax.models import qwen2  # pylint: disable=import-outside-toplevel
+  block = qwen2._CAUSAL_QUERY_BLOCK  # pylint: disable=protected-access
+  assert bench_long_context.main(["--lengths", "300", "--rows", "2", "--repeats", "1"]) == 0
+  assert qwen2._CAUSAL_QUERY_BLOCK == block  # pylint: disable=protected-access
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 |")]
+  assert [r.split(" | ")[1] for r in rows] == ["forward", "forward+backward"]
