@@ -195,7 +195,12 @@ def _list_trials(root: str, split: str) -> tuple[tuple[str, str], ...]:
 def alfworld_tasks(split: str = "valid_train", data_dir: Optional[str] = None,
                    task_types: Optional[Iterable[str]] = None,
                    num_tasks: Optional[int] = None) -> list[Task]:
-  """The playable tasks of one split, sorted by id.
+  """The playable tasks of one split, the task types taking turns.
+
+  The order is the first task of each type (in `TASK_TYPES` order), then the second of each, and
+  so on, each type's tasks sorted by id: any first N tasks (a small training set, an evaluation
+  of `num_eval_tasks`) cover the types evenly. Sorted by id alone, the first 16 valid_train tasks
+  were all look_at_obj_in_light.
 
   Args:
     split: a folder under `json_2.1.1` (shipped: valid_train, valid_seen, valid_unseen).
@@ -210,8 +215,12 @@ def alfworld_tasks(split: str = "valid_train", data_dir: Optional[str] = None,
   unknown = keep - set(TASK_TYPES.values())
   if unknown:
     raise ValueError(f"unknown task types {sorted(unknown)}; known: {sorted(TASK_TYPES.values())}")
-  tasks = [Task(task_id=rel, task_type=TASK_TYPES[tt], split=split)
-           for rel, tt in _list_trials(str(root), split) if TASK_TYPES[tt] in keep]
+  by_type: dict[str, list[Task]] = {t: [] for t in TASK_TYPES.values() if t in keep}
+  for rel, tt in sorted(_list_trials(str(root), split)):
+    if TASK_TYPES[tt] in keep:
+      by_type[TASK_TYPES[tt]].append(Task(task_id=rel, task_type=TASK_TYPES[tt], split=split))
+  tasks = [ts[i] for i in range(max(map(len, by_type.values()), default=0))
+           for ts in by_type.values() if i < len(ts)]
   return tasks[:num_tasks] if num_tasks is not None else tasks
 
 

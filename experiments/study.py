@@ -19,7 +19,7 @@ history ablation's GRPO-s0 and its h=3 run) is copied from it, marked by a `REUS
 Results: `<out>/warmstart-<env>/` (the warm start and its evaluation, one per environment),
 `<out>/<experiment>/runs/<run>/metrics.jsonl` (the trainer's), and
 `<out>/<experiment>/summary.json`, one row per run: its setting, held-out success at the end
-(greedy, `EVAL_TASKS` games), the training curve and the time per phase.
+(greedy, `num_eval_tasks` games of each eval split), the training curve and the time per phase.
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ EVAL_TASKS = 32  # held-out games scored at each evaluation (greedy)
 TEXTWORLD = dict(
     env="textworld", env_kwargs=dict(quest_length=5, world_size=2, nb_objects=4),
     num_train_tasks=16, max_steps=6)
-ALFWORLD = dict(env="alfworld", env_kwargs={}, num_train_tasks=None, max_steps=12)
+# ALFWorld: the first 16 valid_train tasks (the six types in turn) and their expert demos, at most
+# 8 steps an episode (the handcoded expert wins 7 of 16 look_at_obj_in_light tasks within 8 steps,
+# 10 within 12) so whole-history sequences stay under about 2,000 tokens; 12 tasks (2 a type) of
+# valid_seen and of valid_unseen at each evaluation.
+ALFWORLD = dict(env="alfworld", env_kwargs={}, num_train_tasks=16, max_steps=8,
+                num_eval_tasks=12)
 
 # What every run shares (TrainConfig fields).
 # The policy is the trainer's default tiny Qwen2 (2 layers, d_model 64).
@@ -326,8 +331,12 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
         same_as = f.read().strip()
     else:
       same_as = None
+    last_eval = next((m for m in reversed(ms) if _eval_success(m) is not None), {})
+    by_type = {k[len("eval/"):].replace("/success_rate", ""): v for k, v in last_eval.items()
+               if k.startswith("eval/") and "/success_rate/" in k}
     rows.append(dict(
         run=r.name, seed=r.seed, **r.labels, same_as=same_as,
+        eval_games=_eval_games(env, last_eval), heldout_by_type=by_type,
         episodes_per_iter=_episodes_per_iter(r),
         heldout_success=evals[-1][1] if evals else None, eval_curve=evals,
         train_success=[m["success_rate"] for m in ms],
@@ -337,8 +346,9 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
         valid_action_ratio=[m["valid_action_ratio"] for m in ms],
         time={p: _mean([m.get(f"time/{p}") for m in ms]) for p in PHASES + ("iteration",)}))
   path = os.path.join(root, "summary.json")
+  games = max([r["eval_games"] for r in rows], default=_eval_games(env, {}))
   with open(path, "w", encoding="utf-8") as f:
-    json.dump(dict(experiment=name, iters=iters, eval_tasks=EVAL_TASKS, base=BASE, sft=SFT,
+    json.dump(dict(experiment=name, iters=iters, eval_tasks=games, base=BASE, sft=SFT,
                    runs=rows, missing=missing), f, indent=1)
   return path
 
@@ -358,6 +368,14 @@ def refresh_summaries(out_root: str) -> list[str]:
     _, runs = experiment_runs(name, seeds or [0])
     paths.append(write_summary(name, runs, os.path.join(out_root, name), s["iters"]))
   return paths
+
+
+def _eval_games(env: dict, m: dict) -> int:
+  """Games behind one held-out success figure: the eval tasks of each split that `m` scored
+  (the figure is the mean over splits; one split when `m` has none)."""
+  splits = [k for k in m if k.startswith("eval/") and k.endswith("/success_rate")
+            and k.count("/") == 2]
+  return {**BASE, **env}["num_eval_tasks"] * max(1, len(splits))
 
 
 def _eval_success(m: dict):

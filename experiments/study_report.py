@@ -2,8 +2,8 @@
 
   python experiments/study.py report            # everything that has run under docs/study
 
-Statistics: a run's held-out success is the fraction of `EVAL_TASKS` held-out games won greedily
-at its last evaluation. Across seeds, a method's figure is the mean with a 95% t-interval
+Statistics: a run's held-out success is the fraction of its held-out games (`num_eval_tasks` of
+each eval split) won greedily at its last evaluation. Across seeds, a method's figure is the mean with a 95% t-interval
 (mean +- t_{0.975, n-1} * sd / sqrt(n)); with one seed, a 95% Wilson interval over its games.
 """
 
@@ -318,6 +318,20 @@ def table(s: dict, key: str) -> str:
   return "\n".join(lines)
 
 
+def by_type_table(s: dict) -> str:
+  """Final held-out success per eval split and task type, mean over a method's seeds."""
+  cells = sorted({k for r in s["runs"] for k in r.get("heldout_by_type", {})})
+  if len(cells) < 2:  # one split of one type: the overall table says it all
+    return ""
+  lines = ["| method | " + " | ".join(c.replace("/", ": ") for c in cells) + " |",
+           "|---|" + "---|" * len(cells)]
+  for m, rows in _by(s["runs"], "method").items():
+    vals = [_mean_of({"x": [r.get("heldout_by_type", {}).get(c) for r in rows]}, "x")
+            for c in cells]
+    lines.append(f"| {m} | " + " | ".join(_pct(v) for v in vals) + " |")
+  return "\n".join(lines)
+
+
 def docs_dir(out: str) -> str:
   """Where figures go: docs/ for the default docs/study, else `out` itself."""
   docs = os.path.dirname(os.path.abspath(out)) if os.path.basename(out) == "study" else out
@@ -351,6 +365,10 @@ def report(out: str) -> str:
     if s.get("missing"):
       md += [f"Not run (the study was stopped): {', '.join(s['missing'])}.", ""]
     if name in ("headline", "alfworld"):
+      per_type = by_type_table(s)
+      if per_type:
+        md += ["Held-out success % at the end, per split and task type (mean over seeds):", "",
+               per_type, ""]
       figs = headline_figures(s, docs, name)
       paths, ours = cost_figure(s, docs) if name == "headline" else ([], None)
       figs += paths

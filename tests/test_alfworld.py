@@ -91,6 +91,16 @@ def test_splits_and_task_types_match_the_readme(root):
     assert all(t.split == split and t.task_id.startswith(split + "/") for t in tasks)
     assert len({t.task_id for t in tasks}) == len(tasks)
   assert sizes == {"valid_train": 200, "valid_seen": 140, "valid_unseen": 134}
+  # The types take turns (a reference: rank within the type, then type order); each type's
+  # tasks in id order. So any first 6k tasks hold k of each type (while each has k).
+  types = list(alf.TASK_TYPES.values())
+  for split in EXPECTED_COUNTS:
+    tasks = alf.alfworld_tasks(split, data_dir=str(root))
+    ids = {tt: sorted(t.task_id for t in tasks if t.task_type == tt) for tt in types}
+    assert tasks == sorted(tasks, key=lambda t: (ids[t.task_type].index(t.task_id),
+                                                 types.index(t.task_type)))
+    first = [t.task_type for t in tasks[:12]]
+    assert all(first.count(tt) == 2 for tt in types), first
   picked = alf.alfworld_tasks("valid_seen", data_dir=str(root), task_types=["pick_and_place"],
                               num_tasks=5)
   assert len(picked) == 5 and {t.task_type for t in picked} == {"pick_and_place"}

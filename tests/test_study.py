@@ -67,7 +67,7 @@ def test_wilson_interval_for_one_run():
   assert all(math.isnan(x) for x in study_report.interval([], 32))
 
 
-def _fake_metrics(path, iters, seed, salt):
+def _fake_metrics(path, iters, seed, salt, splits=("heldout",)):
   rng = np.random.default_rng(seed)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "metrics.jsonl"), "w", encoding="utf-8") as f:
@@ -78,22 +78,24 @@ def _fake_metrics(path, iters, seed, salt):
            "adv_frac_changed": float(rng.uniform()) if salt else 0.0}
       m.update({f"time/{p}": 0.1 for p in study.PHASES + ("iteration",)})
       if (it + 1) % 2 == 0:
-        m["eval/heldout/success_rate"] = float(rng.uniform())
-        m["eval/heldout/success_rate/quest5"] = 0.0  # per-type keys are not the overall figure
+        for split in splits:
+          m[f"eval/{split}/success_rate"] = float(rng.uniform())
+          m[f"eval/{split}/success_rate/quest5"] = 0.0  # per-type: not the overall figure
       f.write(json.dumps(m) + "\n")
 
 
-@pytest.mark.parametrize("name", ["headline", "history", "group-size", "matching"])
+@pytest.mark.parametrize("name", ["headline", "history", "group-size", "matching", "alfworld"])
 def test_summary_and_report(name, tmp_path):
   out = tmp_path / "docs" / "study"
-  _, runs = study.experiment_runs(name, [0, 1])
+  env, runs = study.experiment_runs(name, [0, 1])
   root = out / name
+  splits = ("valid_seen", "valid_unseen") if name == "alfworld" else ("heldout",)
   for r in runs:
-    _fake_metrics(root / "runs" / r.name, 4, r.seed, r.overrides.get("salt", False))
+    _fake_metrics(root / "runs" / r.name, 4, r.seed, r.overrides.get("salt", False), splits)
     assert study._complete(str(root / "runs" / r.name), 4)  # pylint: disable=protected-access
     assert not study._complete(str(root / "runs" / r.name), 5)  # pylint: disable=protected-access
   # The warm start was evaluated: every run's curve starts there, at iteration 0.
-  start = out / "warmstart-textworld"
+  start = out / f"warmstart-{env['env']}"
   start.mkdir()
   (start / "eval.json").write_text(json.dumps({"eval/heldout/success_rate": 0.125}))
   # A run that has not finished is listed as missing, not summarized.
@@ -109,8 +111,13 @@ def test_summary_and_report(name, tmp_path):
     assert its == [0, 2, 4]
     assert row["heldout_success"] == row["eval_curve"][-1][1]
     assert row["eval_curve"][0][1] == 0.125
+    assert row["heldout_by_type"] == {f"{sp}/quest5": 0.0 for sp in splits}
+  # The interval counts every game behind a figure: each eval split's tasks.
+  assert s["eval_tasks"] == {**study.BASE, **env}["num_eval_tasks"] * len(splits)
+  assert s["eval_tasks"] == (24 if name == "alfworld" else 32)
   text = study_report.report(str(out))
   assert f"## {name}" in text
+  assert ("| method | valid_seen: quest5 | valid_unseen: quest5 |" in text) == (name == "alfworld")
   pngs = [f for f in os.listdir(tmp_path / "docs") if f.endswith(".png")]
   assert pngs and all((tmp_path / "docs" / f).stat().st_size > 1000 for f in pngs)
   assert (tmp_path / "docs" / "results.md").read_text(encoding="utf-8") == text
