@@ -185,14 +185,16 @@ def group_size_figure(s: dict, docs: str) -> list[str]:
     _success_panel(a0, s, gs, by_g, m)
     if m == "GRPO+SALT":
       a1.plot(gs, [statistics.fmean(_mean_merge(r) for r in by_g[g]) for g in gs], marker="o",
-              label="merge rate")
+              label="merge rate (of steps)")
       a1.plot(gs, [statistics.fmean(_mean_of(r, "adv_frac_changed") for r in by_g[g])
-                   for g in gs], marker="s", label="advantages changed (share)")
+                   for g in gs], marker="s", label="advantages changed (of steps)")
+    a1.plot(gs, [statistics.fmean(_mean_of(r, "flat_groups") for r in by_g[g]) for g in gs],
+            marker="^", ls=":", label=f"{m}: groups with equal rewards (of groups)")
   a0.set(xlabel="group size G", ylabel="success",
          title="group size (48 trajectories an iteration)")
   a0.legend(fontsize=7)
-  a1.set(xlabel="group size G", ylabel="share of steps", title="SALT against G")
-  a1.legend()
+  a1.set(xlabel="group size G", ylabel="share", title="SALT and the signal against G")
+  a1.legend(fontsize=7)
   path = _save(fig, docs, "group_size_ablation.png")
   return [path]
 
@@ -300,8 +302,8 @@ def _late_train_success(s: dict, r: dict) -> tuple[float, int]:
 def table(s: dict, key: str) -> str:
   lines = [f"| {key} | held-out success % (95% CI) | training success %, last third (95% CI) "
            "| runs | mean merge rate | advantages changed % | cross-prompt merges / iter "
-           "| valid actions % |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| groups with equal rewards % | valid actions % |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for k, rows in _by(s["runs"], key).items():
     m, lo, hi = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
     late = [_late_train_success(s, r) for r in rows]
@@ -309,12 +311,13 @@ def table(s: dict, key: str) -> str:
     mr = [_mean_merge(r) for r in rows]
     cpm = statistics.fmean(_mean_of(r, "cross_prompt_merges") for r in rows)
     changed = statistics.fmean(_mean_of(r, "adv_frac_changed") for r in rows)
+    flat = statistics.fmean(_mean_of(r, "flat_groups") for r in rows)
     va = statistics.fmean(statistics.fmean(r["valid_action_ratio"]) for r in rows)
     mmr = statistics.fmean(mr)
     lines.append(f"| {k} | {_pct(m)} ({_pct(lo)} to {_pct(hi)}) | "
                  f"{_pct(tm)} ({_pct(tlo)} to {_pct(thi)}) | {len(rows)} | "
                  f"{'n/a' if math.isnan(mmr) else f'{mmr:.3f}'} | {_pct(changed)} | {cpm:.1f} | "
-                 f"{100 * va:.1f} |")
+                 f"{_pct(flat)} | {100 * va:.1f} |")
   return "\n".join(lines)
 
 

@@ -75,7 +75,7 @@ def _fake_metrics(path, iters, seed, salt, splits=("heldout",)):
       m = {"iteration": it, "success_rate": float(rng.uniform()),
            "valid_action_ratio": 0.9, "merge_rate": float(rng.uniform()) if salt else math.nan,
            "cross_prompt_merges": 3 if salt else 0,
-           "adv_frac_changed": float(rng.uniform()) if salt else 0.0}
+           "adv_frac_changed": float(rng.uniform()) if salt else 0.0, "skipped_groups": 1}
       m.update({f"time/{p}": 0.1 for p in study.PHASES + ("iteration",)})
       if (it + 1) % 2 == 0:
         for split in splits:
@@ -112,6 +112,9 @@ def test_summary_and_report(name, tmp_path):
     assert row["heldout_success"] == row["eval_curve"][-1][1]
     assert row["eval_curve"][0][1] == 0.125
     assert row["heldout_by_type"] == {f"{sp}/quest5": 0.0 for sp in splits}
+    tasks = row["episodes_per_iter"] // next(r for r in runs if r.name == row["run"]).overrides.get(
+        "group_size", study.BASE["group_size"])
+    assert row["flat_groups"] == [1 / tasks] * 4
   # The interval counts every game behind a figure: each eval split's tasks.
   assert s["eval_tasks"] == {**study.BASE, **env}["num_eval_tasks"] * len(splits)
   assert s["eval_tasks"] == (24 if name == "alfworld" else 32)
