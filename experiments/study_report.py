@@ -48,9 +48,11 @@ def load(out: str, name: str):
 
 
 def _by(rows, key):
+  """Rows grouped by the value of `key`, or by the values of a tuple of keys."""
   groups: dict = {}
   for r in rows:
-    groups.setdefault(r[key], []).append(r)
+    groups.setdefault(tuple(r[k] for k in key) if isinstance(key, tuple) else r[key],
+                      []).append(r)
   return groups
 
 
@@ -299,12 +301,15 @@ def _late_train_success(s: dict, r: dict) -> tuple[float, int]:
   return statistics.fmean(xs), per_iter * len(xs)
 
 
-def table(s: dict, key: str) -> str:
-  lines = [f"| {key} | held-out success % (95% CI) | training success %, last third (95% CI) "
+def table(s: dict, key) -> str:
+  """One row per value of `key` (a label, or a tuple of labels such as ("method", "G"))."""
+  head = ", ".join(key) if isinstance(key, tuple) else key
+  lines = [f"| {head} | held-out success % (95% CI) | training success %, last third (95% CI) "
            "| runs | mean merge rate | advantages changed % | cross-prompt merges / iter "
            "| groups with equal rewards % | valid actions % |",
            "|---|---|---|---|---|---|---|---|---|"]
-  for k, rows in _by(s["runs"], key).items():
+  for k, rows in _by(s["runs"], key).items():  # in the order the experiment lists its runs
+    k = ", ".join(map(str, k)) if isinstance(k, tuple) else k
     m, lo, hi = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
     late = [_late_train_success(s, r) for r in rows]
     tm, tlo, thi = interval([x for x, _ in late], late[0][1])
@@ -359,7 +364,7 @@ def report(out: str) -> str:
            "whole-history prompts).", "", tab, ""]
     md += [f"![merge rates]({os.path.relpath(f, docs)})" for f in figs] + [""]
   for name, key in (("headline", "method"), ("alfworld", "method"), ("history", "h"),
-                    ("group-size", "G"), ("matching", "matching")):
+                    ("group-size", ("method", "G")), ("matching", "matching")):
     s = load(out, name)
     if s is None:
       continue
