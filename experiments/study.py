@@ -153,18 +153,17 @@ def warm_start_and_eval(env: dict, out_root: str, seed: int = 0) -> str:
   return path
 
 
-def _config_key(cfg) -> str:
-  """A run's config minus its output folder: equal keys train the very same run."""
-  fields = cfg.to_json()
-  fields.pop("out")
-  return json.dumps(fields, sort_keys=True)
+def _config_key(fields: dict) -> str:
+  """A run's config (`TrainConfig.to_json()`, as in its config.json) minus its output folder:
+  equal keys train the very same run."""
+  return json.dumps({k: v for k, v in fields.items() if k != "out"}, sort_keys=True)
 
 
 def _reuse(cfg, out_root: str, iters: int) -> str | None:
   """A finished run of another experiment with `cfg`'s exact config (the headline's GRPO-s0 is
   the history ablation's GRPO-s0): its folder, else None. Training is deterministic for a config
   (tests/test_train.py), so rerunning it would only spend the CPU again."""
-  key = _config_key(cfg)
+  key = _config_key(cfg.to_json())
   for exp in sorted(os.listdir(out_root)):
     runs = os.path.join(out_root, exp, "runs")
     if not os.path.isdir(runs):
@@ -176,10 +175,8 @@ def _reuse(cfg, out_root: str, iters: int) -> str | None:
           or os.path.exists(os.path.join(folder, REUSED)) or not _complete(folder, iters):
         continue
       with open(path, encoding="utf-8") as f:
-        other = json.load(f)
-      other.pop("out", None)
-      if json.dumps(other, sort_keys=True) == key:
-        return folder
+        if _config_key(json.load(f)) == key:
+          return folder
   return None
 
 
@@ -373,17 +370,20 @@ def refresh_summaries(out_root: str) -> list[str]:
   return paths
 
 
+def _eval_split_keys(m: dict) -> list[str]:
+  """The metrics row's overall success keys, one per eval split (`eval/<split>/success_rate`)."""
+  return [k for k in m if k.startswith("eval/") and k.endswith("/success_rate")
+          and k.count("/") == 2]
+
+
 def _eval_games(env: dict, m: dict) -> int:
   """Games behind one held-out success figure: the eval tasks of each split that `m` scored
   (the figure is the mean over splits; one split when `m` has none)."""
-  splits = [k for k in m if k.startswith("eval/") and k.endswith("/success_rate")
-            and k.count("/") == 2]
-  return {**BASE, **env}["num_eval_tasks"] * max(1, len(splits))
+  return {**BASE, **env}["num_eval_tasks"] * max(1, len(_eval_split_keys(m)))
 
 
 def _eval_success(m: dict):
-  keys = [k for k in m if k.startswith("eval/") and k.endswith("/success_rate")
-          and k.count("/") == 2]
+  keys = _eval_split_keys(m)
   return _mean([m[k] for k in keys]) if keys else None
 
 
