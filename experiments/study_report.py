@@ -3,8 +3,9 @@
   python experiments/study.py report            # everything that has run under docs/study
 
 Statistics: a run's held-out success is the fraction of its held-out games (`num_eval_tasks` of
-each eval split) won greedily at its last evaluation. Across seeds, a method's figure is the mean with a 95% t-interval
-(mean +- t_{0.975, n-1} * sd / sqrt(n)); with one seed, a 95% Wilson interval over its games.
+each eval split) won greedily at its last evaluation. Across seeds, a method's figure is the mean
+with a 95% t-interval (mean +- t_{0.975, n-1} * sd / sqrt(n)); with one seed, a 95% Wilson
+interval over its games.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def _save(fig, docs: str, name: str) -> str:
 
 def _errorbar(ax, xs, stats, **kw):
   """Means with their (low, high) intervals, as `interval` returns them."""
-  ax.errorbar(xs, [x[0] for x in stats], yerr=[[x[0] - x[1] for x in stats],
-                                               [x[2] - x[0] for x in stats]],
-              marker="o", capsize=4, **kw)
+  return ax.errorbar(xs, [x[0] for x in stats], yerr=[[x[0] - x[1] for x in stats],
+                                                      [x[2] - x[0] for x in stats]],
+                     marker="o", capsize=4, **kw)
 
 
 def headline_figures(s: dict, docs: str, tag: str) -> list[str]:
@@ -135,9 +136,8 @@ def _success_stats(s: dict, rows: list[dict]) -> tuple[tuple, tuple]:
 def _success_panel(ax, s: dict, xs: list, rows_at: dict, label: str, **kw):
   """Held-out (dashed) and training last-third (solid) success against a setting."""
   stats = [_success_stats(s, rows_at[x]) for x in xs]
-  line = ax.errorbar(xs, [t[1][0] for t in stats], yerr=[[t[1][0] - t[1][1] for t in stats],
-                                                         [t[1][2] - t[1][0] for t in stats]],
-                     marker="o", capsize=4, label=f"{label}: training, last third", **kw)
+  line = _errorbar(ax, xs, [late for _, late in stats], label=f"{label}: training, last third",
+                   **kw)
   ax.plot(xs, [t[0][0] for t in stats], ls="--", marker="x", color=line[0].get_color(),
           label=f"{label}: held-out")
 
@@ -310,9 +310,7 @@ def table(s: dict, key) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
   for k, rows in _by(s["runs"], key).items():  # in the order the experiment lists its runs
     k = ", ".join(map(str, k)) if isinstance(k, tuple) else k
-    m, lo, hi = interval([r["heldout_success"] for r in rows], s["eval_tasks"])
-    late = [_late_train_success(s, r) for r in rows]
-    tm, tlo, thi = interval([x for x, _ in late], late[0][1])
+    (m, lo, hi), (tm, tlo, thi) = _success_stats(s, rows)
     mr = [_mean_merge(r) for r in rows]
     cpm = statistics.fmean(_mean_of(r, "cross_prompt_merges") for r in rows)
     changed = statistics.fmean(_mean_of(r, "adv_frac_changed") for r in rows)
