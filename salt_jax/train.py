@@ -649,13 +649,18 @@ class Trainer:
     return multihost.concat_rollouts(multihost.allgather_objects(self.last_local_rollout))
 
   def _minibatches(self, tb: batching.TokenBatch) -> list[dict]:
-    """Fixed-shape mini-batches of `self.rows` rows (padding rows have an all-False mask)."""
-    n = tb.input_ids.shape[0]
+    """Mini-batches of `self.rows` rows (padding rows have an all-False mask), each cut to the
+    bucketed length of its own longest row: attention costs the square of the length, and one
+    long trajectory (an ALFWorld heat task beside 4-step ones) would otherwise set it for all."""
+    n, width = tb.input_ids.shape
     fields = ("input_ids", "targets", "loss_mask", "token_step_ids", "old_logprobs",
               "attention_mask", "positions")
     out = []
     for s in range(0, n, self.rows):
-      out.append({f: getattr(tb, f)[s:s + self.rows] for f in fields})
+      used = np.flatnonzero(tb.attention_mask[s:s + self.rows].any(axis=0))  # rows pad at the end
+      length = min(width, batching.bucket_length(int(used[-1]) + 1 if used.size else 1,
+                                                 self.config.min_seq_len, half_steps=True))
+      out.append({f: getattr(tb, f)[s:s + self.rows, :length] for f in fields})
     return out
 
   def _logprobs_all(self, params, mbs: list[dict]) -> list[np.ndarray]:

@@ -42,6 +42,22 @@ def test_runs_differ_only_in_the_compared_setting(name):
     assert {r.labels["method"] for r in runs} == set(study.METHODS)
 
 
+def test_alfworld_settings_build_the_env_and_cover_every_task_type():
+  from envs.alfworld import TASK_TYPES  # pylint: disable=import-outside-toplevel
+  from envs.registry import make_env, task_list  # pylint: disable=import-outside-toplevel
+  env, _ = study.experiment_runs("alfworld", [0])
+  game = make_env("alfworld", **env["env_kwargs"], max_steps=env["max_steps"], expert=True)
+  assert game.expert_type == "planner"  # the warm start's demos: the planner's short plans
+  game.close()
+  tasks = task_list("alfworld", "valid_train", **env["env_kwargs"],
+                    num_tasks=env["num_train_tasks"])
+  assert len(tasks) == env["num_train_tasks"]
+  assert {t.task_type for t in tasks} == set(TASK_TYPES.values())
+  for split in ("valid_seen", "valid_unseen"):
+    held_out = task_list("alfworld", split, num_tasks=env["num_eval_tasks"])
+    assert {t.task_type for t in held_out} == set(TASK_TYPES.values())
+
+
 def test_unknown_experiment():
   with pytest.raises(SystemExit, match="unknown experiment"):
     study.experiment_runs("nope", [0])

@@ -26,6 +26,7 @@ from flax import nnx
 
 from envs.toy import ToyEnv, toy_tasks
 import salt_jax
+from salt_jax import batching
 from salt_jax import metrics as metrics_lib
 from salt_jax import sft
 from salt_jax.sharding import make_mesh
@@ -374,6 +375,26 @@ def test_rloo_with_the_embedder(warm, tmp_path):
   exact = salt_jax.build_merge_ids(trajs, groups, history=cfg.history)
   assert row["merge_rate"] >= exact.merge_rate
   assert row["num_updates"] >= 1 and math.isfinite(row["loss"])
+
+
+def test_minibatches_are_cut_to_their_own_longest_row(run_a):
+  _, tr, _, _ = run_a
+  rng = np.random.default_rng(0)
+  lengths = [700, 650, 690, 600, 80, 70, 90, 60, 300, 10, 20, 30]  # long, short, mixed groups
+  prompts = [rng.integers(3, 50, n - 5) for n in lengths]
+  responses = [rng.integers(3, 50, 5) for _ in lengths]
+  logps = [rng.normal(size=5).astype(np.float32) for _ in lengths]
+  tb = batching.step_rows(prompts, responses, logps, pad_id=0, min_length=64,
+                          row_multiple=tr.rows)
+  assert tr.rows == 4 and tr.config.min_seq_len == 64 and tb.input_ids.shape == (12, 768)
+  mbs = tr._minibatches(tb)  # pylint: disable=protected-access
+  assert [mb["input_ids"].shape for mb in mbs] == [(4, 768), (4, 96), (4, 384)]
+  # nothing lost: each mini-batch is its rows of the batch, cut where only padding follows
+  for s, mb in zip(range(0, tb.input_ids.shape[0], tr.rows), mbs):
+    for k, v in mb.items():
+      full = getattr(tb, k)[s:s + tr.rows]
+      np.testing.assert_array_equal(v, full[:, :v.shape[1]], err_msg=k)
+      assert not np.any(tb.attention_mask[s:s + tr.rows, v.shape[1]:]), k
 
 
 def test_nan_guard_skips_the_update(run_a):
