@@ -401,13 +401,17 @@ def test_forward_rejects_bad_inputs():
     model.init_cache(2, 0)
 
 
+@pytest.mark.parametrize("mesh", [None, "1x1"])
 @pytest.mark.parametrize("cut", ["rows", "query_blocks", "both"])
-def test_cut_attention_matches_whole_batch(cut, monkeypatch):
+def test_cut_attention_matches_whole_batch(cut, mesh, monkeypatch):
   # The parity shapes are too small to be cut: force one row per chunk and/or causal query
   # blocks of 4 (10 tokens: blocks of 4, 4 and 2, each over the keys up to its end) and compare
-  # logits and gradients with the whole-batch, whole-square path.
-  from salt_jax.models import qwen2
+  # logits and gradients with the whole-batch, whole-square path. "1x1": on the trainer's
+  # one-device mesh, where the loops run too.
+  from salt_jax.models import qwen2, shard_model
   model = _random_model(ModelConfig.tiny(), 0)
+  if mesh is not None:
+    shard_model(model, make_mesh(mesh))
   ids, mask = _prompts(4, 10, seed=3)
 
   def logits_and_grads():
@@ -433,6 +437,15 @@ def test_cut_attention_matches_whole_batch(cut, monkeypatch):
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
     b = np.asarray(b)  # f32 sums in another order: error relative to the gradient's scale
     np.testing.assert_allclose(np.asarray(a), b, atol=1e-5 * np.abs(b).max(), rtol=0)
+
+
+def test_attention_loops_run_only_where_nothing_is_sharded():
+  from salt_jax.models import qwen2
+  from salt_jax.models.partitioning import ActivationSharding
+  for mesh, loops in ((None, True), ("1x1", True), ("2x1", False), ("1x2", False)):
+    shard = ActivationSharding(None if mesh is None else make_mesh(mesh))
+    assert qwen2._one_cpu_device(shard) == loops, mesh
+    assert qwen2._attention_rows_per_chunk(8, 1 << 30, shard) == (1 if loops else 8), mesh
 
 
 # ---- sharding ----
