@@ -346,10 +346,7 @@ class Sampler:
     if kept_cache is None:
       cache = model.init_cache(b, s, dtype=self.cache_dtype)
     else:
-      # [B, K, S, H]: the continued rows, grown to this call's cache length.
-      grow = lambda x: jnp.pad(jnp.take(x, rows, axis=0),  # noqa: E731
-                               ((0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)))
-      cache = jax.tree.map(grow, kept_cache)
+      cache = kept_cache.take_rows(rows, s)  # the continued rows, grown to this call's length
     keep = self._constrain_batch(keep)
     cache_mask = self._constrain_batch(
         jax.lax.dynamic_update_slice(keep, suffix_mask, (0, cursor)))

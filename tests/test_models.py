@@ -382,6 +382,17 @@ def test_forward_rejects_bad_inputs():
     model(ids, positions=jnp.zeros((2, 5), jnp.float32))
   cache = model.init_cache(2, 8)
   assert isinstance(cache, KVCache) and cache.shape == (2, 2, 2, 8, 16) and len(cache.v) == 2
+  assert cache.k[0].shape == (2, 2, 16, 8) and cache.v[0].shape == (2, 2, 8, 16)  # keys slots-last
+  # take_rows (a continued sampler call) against numpy: rows gathered, then each array's slot
+  # axis zero-padded.
+  filled = jax.tree.map(lambda a: jnp.arange(a.size, dtype=a.dtype).reshape(a.shape) + 1, cache)
+  grown = filled.take_rows(jnp.array([1, 1, 0]), 11)
+  assert isinstance(grown, KVCache) and grown.shape == (2, 3, 2, 11, 16)
+  for got, want, axis in ((grown.k, filled.k, 3), (grown.v, filled.v, 2)):
+    pad = [(0, 0)] * 4
+    pad[axis] = (0, 3)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, np.pad(np.asarray(w)[[1, 1, 0]], pad))
   ok_mask = jnp.ones((2, 8), bool)
   with pytest.raises(ValueError, match="exceeds"):
     model.forward_cached(ids, ids, cache, 4, ok_mask)
@@ -392,7 +403,7 @@ def test_forward_rejects_bad_inputs():
   with pytest.raises(ValueError, match="scalar"):
     model.forward_cached(ids, ids, cache, jnp.zeros((2,), jnp.int32), ok_mask)
   for bad in (KVCache(cache.k, cache.v[:1]), KVCache(cache.k, (cache.v[0], cache.v[1][:, :, :4])),
-              KVCache((), ())):
+              KVCache((), ()), KVCache(cache.v, cache.v)):  # last: keys in the values' layout
     with pytest.raises(ValueError, match="same-shaped"):
       model.forward_cached(ids, ids, bad, 0, ok_mask)
   with pytest.raises(ValueError, match="cache shape"):  # one layer short

@@ -45,7 +45,7 @@ class ShardingRules:
   act_btnh: P = P(_D, None, _M, None)
   act_btf: P = P(_D, None, _M)
   logits_btv: P = P(_D, None, _M)
-  cache_bksh: P = P(_D, _M, None, None)
+  cache_bk: P = P(_D, _M, None, None)  # keys [B, K, H, S], values [B, K, S, H]
 
 
 # Leaf name of a CausalLM parameter -> the ShardingRules field that places it.
