@@ -73,6 +73,19 @@ def bucket_length(n: int, min_length: int = 16, *, half_steps: bool = False) -> 
   return power
 
 
+def trimmed_length(attention_mask: np.ndarray, min_length: int = 16) -> int:
+  """Columns a group of right-padded rows needs: the bucketed length (`bucket_length` with half
+  steps) of their last real token, at most their width. Attention costs the square of the
+  length, so a mini-batch cut to its own rows' length does the same work much faster when one
+  long row would otherwise set the width for all."""
+  mask = np.asarray(attention_mask)
+  if mask.ndim != 2:
+    raise ValueError(f"attention_mask must be [rows, length], got shape {mask.shape}")
+  used = np.flatnonzero(mask.any(axis=0))
+  return min(mask.shape[1], bucket_length(int(used[-1]) + 1 if used.size else 1, min_length,
+                                          half_steps=True))
+
+
 def _check_steps(prompt_ids, response_ids, old_logprobs, step_mask):
   n = len(prompt_ids)
   if len(response_ids) != n or len(old_logprobs) != n:

@@ -114,14 +114,36 @@ def _nll(model, input_ids, targets, loss_mask, attention_mask, positions, chunk_
   return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def _rows(batch: batching.TokenBatch, idx: np.ndarray) -> tuple:
-  return (batch.input_ids[idx], batch.targets[idx], batch.loss_mask[idx],
-          batch.attention_mask[idx], batch.positions[idx])
+def _rows(batch: batching.TokenBatch, idx: np.ndarray, min_length: int) -> tuple:
+  """Rows idx of the batch, cut to the bucketed length of their longest (`trimmed_length`)."""
+  length = batching.trimmed_length(batch.attention_mask[idx], min_length)
+  return tuple(a[idx, :length] for a in (batch.input_ids, batch.targets, batch.loss_mask,
+                                          batch.attention_mask, batch.positions))
 
 
-def nll(model, batch: batching.TokenBatch, *, rows_per_call: int = 16,
-        chunk_size: int = 256) -> float:
-  """Mean NLL (nats per response token) of `batch` under `model` (a `CausalLM`)."""
+def _epoch_order(rng: np.random.Generator, live: np.ndarray, lengths: np.ndarray, rows: int,
+                 group_by_length: bool) -> list[int]:
+  """One epoch of row indices, each of `live` once; consecutive `rows` make a draw.
+
+  group_by_length: as Hugging Face's Trainer does, shuffle, sort each run of 16 draws' rows by
+  length (longest first) and shuffle the order of the full draws, so a draw's rows have similar
+  lengths and little padding (a trailing partial draw stays last and fills from the next epoch).
+  """
+  perm = rng.permutation(live)
+  if not group_by_length:
+    return perm.tolist()
+  mega = rows * 16
+  runs = [perm[s:s + mega] for s in range(0, len(perm), mega)]
+  ordered = np.concatenate([r[np.argsort(-lengths[r], kind="stable")] for r in runs])
+  full = len(ordered) // rows
+  draws = [ordered[i * rows:(i + 1) * rows] for i in rng.permutation(full)]
+  return np.concatenate(draws + [ordered[full * rows:]]).tolist()
+
+
+def nll(model, batch: batching.TokenBatch, *, rows_per_call: int = 16, chunk_size: int = 256,
+        min_length: int = 64) -> float:
+  """Mean NLL (nats per response token) of `batch` under `model` (a `CausalLM`); each call's rows
+  cut to their own bucketed length (at least min_length)."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -135,9 +157,9 @@ def nll(model, batch: batching.TokenBatch, *, rows_per_call: int = 16,
   n = batch.input_ids.shape[0]
   for s in range(0, n, rows_per_call):
     idx = np.arange(s, s + rows_per_call) % n  # wrap-around fill keeps one shape; masked below
-    lm = batch.loss_mask[idx] & (np.arange(s, s + rows_per_call) < n)[:, None]
-    a, c = sums(state, batch.input_ids[idx], batch.targets[idx], lm,
-                batch.attention_mask[idx], batch.positions[idx])
+    ids, tg, lm, am, pos = _rows(batch, idx, min_length)
+    lm = lm & (np.arange(s, s + rows_per_call) < n)[:, None]
+    a, c = sums(state, ids, tg, lm, am, pos)
     total += float(a)
     count += float(c)
   return total / max(count, 1.0)
@@ -145,7 +167,12 @@ def nll(model, batch: batching.TokenBatch, *, rows_per_call: int = 16,
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """steps: optimizer steps; rows: sequences per step; lr, weight_decay, max_grad_norm: AdamW."""
+  """steps: optimizer steps; rows: sequences per step; lr, weight_decay, max_grad_norm: AdamW.
+
+  Each draw is cut to the bucketed length of its longest row (at least min_length).
+  group_by_length: draw rows of similar lengths together (`_epoch_order`); off by default, since it
+  changes which rows share a step.
+  """
 
   steps: int = 200
   rows: int = 8
@@ -155,10 +182,13 @@ class SFTConfig:
   warmup_steps: int = 10
   seed: int = 0
   chunk_size: int = 256
+  min_length: int = 64
+  group_by_length: bool = False
 
   def __post_init__(self):
-    if self.steps < 1 or self.rows < 1:
-      raise ValueError(f"SFTConfig.steps and rows must be >= 1, got {self.steps}, {self.rows}")
+    if self.steps < 1 or self.rows < 1 or self.min_length < 1:
+      raise ValueError(f"SFTConfig.steps, rows and min_length must be >= 1, got {self.steps}, "
+                       f"{self.rows}, {self.min_length}")
     if not self.lr > 0:
       raise ValueError(f"SFTConfig.lr must be > 0, got {self.lr}")
 
@@ -187,16 +217,18 @@ def behaviour_clone(model, batch: batching.TokenBatch, config: SFTConfig = SFTCo
     updates, opt_state = tx.update(grads, opt_state, state)
     return optax.apply_updates(state, updates), opt_state, loss
 
-  # Only rows with response tokens; pad the last draw by wrapping so every step has one shape.
+  # Only rows with response tokens; the last draw of an epoch fills from the next, so every step
+  # has `rows` rows (one compiled shape per length bucket).
   live = np.flatnonzero(batch.loss_mask.any(axis=1))
+  lengths = batch.attention_mask.sum(axis=1)
   rng = np.random.default_rng(config.seed)
   order: list[int] = []
   losses = []
   for i in range(config.steps):
     while len(order) < config.rows:
-      order.extend(rng.permutation(live).tolist())
+      order.extend(_epoch_order(rng, live, lengths, config.rows, config.group_by_length))
     idx, order = np.asarray(order[:config.rows]), order[config.rows:]
-    state, opt_state, loss = step(state, opt_state, *_rows(batch, idx))
+    state, opt_state, loss = step(state, opt_state, *_rows(batch, idx, config.min_length))
     losses.append(float(loss))
     if log_every and (i + 1) % log_every == 0:
       print(f"sft step {i + 1}/{config.steps} nll={losses[-1]:.4f}", flush=True)

@@ -652,14 +652,12 @@ class Trainer:
     """Mini-batches of `self.rows` rows (padding rows have an all-False mask), each cut to the
     bucketed length of its own longest row: attention costs the square of the length, and one
     long trajectory (an ALFWorld heat task beside 4-step ones) would otherwise set it for all."""
-    n, width = tb.input_ids.shape
+    n = tb.input_ids.shape[0]
     fields = ("input_ids", "targets", "loss_mask", "token_step_ids", "old_logprobs",
               "attention_mask", "positions")
     out = []
     for s in range(0, n, self.rows):
-      used = np.flatnonzero(tb.attention_mask[s:s + self.rows].any(axis=0))  # rows pad at the end
-      length = min(width, batching.bucket_length(int(used[-1]) + 1 if used.size else 1,
-                                                 self.config.min_seq_len, half_steps=True))
+      length = batching.trimmed_length(tb.attention_mask[s:s + self.rows], self.config.min_seq_len)
       out.append({f: getattr(tb, f)[s:s + self.rows, :length] for f in fields})
     return out
 

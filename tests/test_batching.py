@@ -68,6 +68,22 @@ def test_bucket_length():
       assert batching.bucket_length(n, lo, half_steps=True) == want, (n, lo)
   with pytest.raises(ValueError):
     batching.bucket_length(-1)
+
+
+def test_trimmed_length():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    rows, width = rng.integers(1, 6), int(rng.integers(1, 400))
+    lengths = rng.integers(0, width + 1, rows)
+    mask = np.arange(width)[None, :] < lengths[:, None]  # right-padded rows
+    lo = int(rng.choice([1, 16, 64]))
+    want = min(width, batching.bucket_length(max(int(lengths.max()), 1), lo, half_steps=True))
+    assert batching.trimmed_length(mask, lo) == want, (lengths, width, lo)
+    assert mask[:, want:].sum() == 0  # nothing real is cut
+  assert batching.trimmed_length(np.zeros((2, 100), bool), 16) == 16  # all padding: the minimum
+  assert batching.trimmed_length(np.ones((1, 10), bool), 16) == 10    # never past the width
+  with pytest.raises(ValueError, match="rows, length"):
+    batching.trimmed_length(np.ones(10, bool))
   with pytest.raises(ValueError):
     batching.bucket_length(4, min_length=0)
 

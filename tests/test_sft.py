@@ -3,10 +3,11 @@
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from envs.pool import EnvPool
 from envs.toy import ToyEnv, toy_tasks
-from salt_jax import sft
+from salt_jax import batching, sft
 from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import Sampler
@@ -73,8 +74,46 @@ def test_cloning_lowers_expert_nll_and_wins_more(setup):
   assert valid1 > valid0 and win1 > win0, (win0, valid0, win1, valid1)
 
 
+def test_epoch_order_covers_each_row_once_and_groups_lengths():
+  rng = np.random.default_rng(1)
+  live = np.sort(rng.choice(200, 108, replace=False))  # rows with response tokens
+  lengths = rng.integers(100, 3000, 200)
+  rows, spread = 4, {}
+  for grouped in (False, True):
+    orders = [sft._epoch_order(np.random.default_rng(s), live, lengths, rows, grouped)
+              for s in (0, 0, 1)]
+    assert orders[0] == orders[1] and orders[0] != orders[2]  # a seed fixes the order
+    for o in orders:
+      assert sorted(o) == sorted(live.tolist())
+    draws = np.asarray(orders[0][:len(live) // rows * rows]).reshape(-1, rows)
+    spread[grouped] = np.mean(lengths[draws].max(1) - lengths[draws].min(1))
+  assert spread[True] < 0.3 * spread[False], spread
+
+
+def test_trimmed_draws_keep_loss_and_update(setup):
+  """Cutting a draw to its rows' own length changes no number, only the padding."""
+  tok, cfg, train, _ = setup
+  batch = sft.demo_token_batch(train, tok, pad_id=tok.pad_token_id, min_length=64,
+                               layout="trajectory")
+  width = batch.input_ids.shape[1]
+  assert batching.trimmed_length(batch.attention_mask[:3], 16) < width  # there is padding to cut
+  results = []
+  for min_length in (16, width):  # trimmed / never trimmed
+    model = build_policy(cfg, tok, make_mesh("1x1"))
+    loss0 = sft.nll(model, batch, rows_per_call=3, min_length=min_length)
+    steps = sft.behaviour_clone(model, batch, sft.SFTConfig(steps=3, rows=3, min_length=min_length))
+    results.append((loss0, steps, jax.tree.leaves(nnx.state(model, nnx.Param))))
+  (a0, a_steps, a_params), (b0, b_steps, b_params) = results
+  np.testing.assert_allclose(a0, b0, rtol=1e-5)
+  np.testing.assert_allclose(a_steps, b_steps, rtol=1e-5)
+  for x, y in zip(a_params, b_params):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
 def test_bad_sft_input():
   with pytest.raises(ValueError, match="steps"):
     sft.SFTConfig(steps=0)
+  with pytest.raises(ValueError, match="min_length"):
+    sft.SFTConfig(min_length=0)
   with pytest.raises(ValueError, match="layout"):
     sft.demo_token_batch([], None, pad_id=0, layout="rows")
