@@ -23,13 +23,14 @@ SFT_SUBDIR = "sft_params"
 
 
 def warm_start(cfg, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
-               rows: int = 8) -> str:
+               rows: int = 8, group_by_length: bool = False) -> str:
   """Clones expert episodes of `cfg`'s env into `cfg`'s policy; returns the saved params' folder.
 
   Args:
     cfg: a `salt_jax.train.TrainConfig` (env, tokenizer, policy, prompt layout, max_steps, seed).
     steps, lr, rows: behaviour-cloning optimizer steps, peak learning rate, sequences per step.
     num_demos: expert episodes (tasks of the training split, cycled with new env seeds).
+    group_by_length: draw demos of similar lengths together (`SFTConfig.group_by_length`).
   """
   # pylint: disable=import-outside-toplevel  (jax only after the caller set XLA_FLAGS)
   from flax import nnx
@@ -71,8 +72,9 @@ def warm_start(cfg, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
                                max_length=cfg.max_cache_len)
   before = sft.nll(model, batch)
   t1 = time.perf_counter()
-  sft.behaviour_clone(model, batch, sft.SFTConfig(steps=steps, rows=rows, lr=lr, seed=cfg.seed),
-                      log_every=max(1, steps // 5))
+  sft.behaviour_clone(model, batch, sft.SFTConfig(
+      steps=steps, rows=rows, lr=lr, seed=cfg.seed, min_length=cfg.min_seq_len,
+      group_by_length=group_by_length), log_every=max(1, steps // 5))
   after = sft.nll(model, batch)
   path = os.path.abspath(os.path.join(cfg.out, SFT_SUBDIR))
   train.save_params(path, nnx.state(model))
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
   p.add_argument("--max-steps", type=int, default=None, help="default: 6 (toy), 8 otherwise")
   p.add_argument("--max-cache-len", type=int, default=4096)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--group-by-length", action="store_true",
+                 help="draw demos of similar lengths together (less padding, faster steps)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   from alfworld_grpo_salt import prepare_devices  # pylint: disable=import-outside-toplevel
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
     cfg.validate()
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
-  warm_start(cfg, steps=args.steps, num_demos=args.demos, lr=args.lr)
+  warm_start(cfg, steps=args.steps, num_demos=args.demos, lr=args.lr,
+             group_by_length=args.group_by_length)
   return 0
 
 

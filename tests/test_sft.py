@@ -1,5 +1,8 @@
 """Behaviour cloning on the toy env: the expert's actions get likelier and the policy wins more."""
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -12,7 +15,11 @@ from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import Sampler
 from salt_jax.sharding import make_mesh
-from salt_jax.train import TrainConfig, build_policy
+from salt_jax.train import TrainConfig, build_policy, load_params
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "experiments"))
+import sft_warmstart  # noqa: E402  pylint: disable=wrong-import-position
 
 ENV_KW = dict(num_rooms=3, max_steps=4)
 # Windowed single-turn prompts (one row per step): short rows, so a 2-layer, d_model-64 policy
@@ -117,3 +124,18 @@ def test_bad_sft_input():
     sft.SFTConfig(min_length=0)
   with pytest.raises(ValueError, match="layout"):
     sft.demo_token_batch([], None, pad_id=0, layout="rows")
+
+
+def test_warm_start_script_saves_loadable_params(tmp_path, capsys):
+  out = tmp_path / "toy_sft"
+  assert sft_warmstart.main(["--env", "toy", "--steps", "6", "--demos", "4", "--lr", "1e-2",
+                             "--group-by-length", "--out", str(out)]) == 0
+  log = capsys.readouterr().out
+  before, after = (float(x) for x in log.split("demo NLL ")[1].split(" nats")[0].split(" -> "))
+  assert after < before, log
+  cfg = TrainConfig(env="toy", tokenizer="toy", max_cache_len=512, seed=0)
+  tok = toy_chat_tokenizer()
+  fresh = nnx.state(build_policy(cfg, tok, make_mesh("1x1")), nnx.Param)
+  loaded = load_params(str(out / sft_warmstart.SFT_SUBDIR), fresh)
+  assert jax.tree.structure(loaded) == jax.tree.structure(fresh)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(fresh)))
