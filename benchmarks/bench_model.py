@@ -53,9 +53,9 @@ CLIP, DUAL_CLIP = 0.2, 3.0
 def _shapes(quick: bool) -> dict:
   if quick:
     return dict(gen_batches=[4, 8], prompt=16, new=8, train_batch=4, train_prompt=16,
-                completion=32)
+                completion=32, micro_rows=2)
   return dict(gen_batches=[16, 128], prompt=64, new=32, train_batch=128, train_prompt=64,
-              completion=192)
+              completion=192, micro_rows=4)
 
 
 def _best(fn, repeats: int) -> tuple[float, float]:
@@ -200,6 +200,22 @@ def _bench_ours(weights: str, shapes: dict, repeats: int, eos: int | None,
   out["train"] = completion_tokens / best
   out["train_compile"] = first
   out["train_loss"] = float(step(model, batch)[0])
+
+  micro = shapes["micro_rows"]
+  if micro:
+    # The same gradient, micro-batch by micro-batch (a lax.scan), each weighted by its tokens.
+    from salt_jax import aggregate_weight, microbatched_value_and_grad
+    graphdef, params = nnx.split(model)
+    micro_step = jax.jit(microbatched_value_and_grad(
+        lambda p, bt: loss_fn(nnx.merge(graphdef, p), bt), ids.shape[0] // micro,
+        weight_fn=lambda bt: aggregate_weight(bt["resp"])))
+
+    def train_step_micro():
+      jax.block_until_ready(micro_step(params, batch))
+
+    first, best = _best(train_step_micro, _train_repeats(repeats))
+    out["train_micro"] = completion_tokens / best
+    out["train_micro_loss"] = float(micro_step(params, batch)[0])
   return out
 
 
@@ -298,8 +314,39 @@ def _bench_tunix(weights: str, shapes: dict, repeats: int, eos: int,
   with mesh:
     first, best = _best(train_step, _train_repeats(repeats))
     out["train_loss"] = float(step(model, example)[0])
-  out["train"] = int(np.sum(train["response_mask"])) / best
+  completion_tokens = int(np.sum(train["response_mask"]))
+  out["train"] = completion_tokens / best
   out["train_compile"] = first
+
+  micro = shapes["micro_rows"]
+  if micro:
+    # Gradient accumulation as salt-jax does it: a lax.scan over contiguous micro-batches, each
+    # micro-batch's token-mean loss weighted by its share of the completion tokens.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    n = ids.shape[0] // micro
+
+    def micro_grads(params, ex):
+      total = jnp.sum(ex.completion_mask)
+      mbs = jax.tree.map(lambda x: x.reshape(n, micro, *x.shape[1:]), ex)
+
+      def body(acc, mb):
+        loss, g = jax.value_and_grad(
+            lambda p: loss_fn(nnx.merge(graphdef, p, rest), mb))(params)
+        w = jnp.sum(mb.completion_mask) / total
+        return (acc[0] + w * loss, jax.tree.map(lambda a, b: a + w * b, acc[1], g)), None
+
+      init = (jnp.float32(0), jax.tree.map(jnp.zeros_like, params))
+      return jax.lax.scan(body, init, mbs)[0]
+
+    micro_step = jax.jit(micro_grads)
+
+    def train_step_micro():
+      jax.block_until_ready(micro_step(params, example))
+
+    with mesh:
+      _, best = _best(train_step_micro, _train_repeats(repeats))
+      out["train_micro_loss"] = float(micro_step(params, example)[0])
+    out["train_micro"] = completion_tokens / best
   return out
 
 
@@ -354,20 +401,32 @@ def _bench_torch(weights: str, shapes: dict, repeats: int, eos: int,
   old = torch.as_tensor(train["old_logp"])
   adv = torch.as_tensor(train["advantages"])[:, None].expand_as(old)
 
-  def train_step():
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, tp - 1:-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, tp:, None])[..., 0]
-    loss = compute_policy_loss(old_log_prob=old, log_prob=logp, advantages=adv,
-                               response_mask=resp, cliprange=CLIP, clip_ratio_c=DUAL_CLIP,
+  def forward_backward(rows: slice) -> float:
+    """Backward of this slice's token-mean loss weighted by its share of the tokens (verl's
+    gradient accumulation over micro-batches); gradients add up in .grad."""
+    logits = model(input_ids=ids[rows], attention_mask=mask[rows]).logits[:, tp - 1:-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[rows, tp:, None])[..., 0]
+    loss = compute_policy_loss(old_log_prob=old[rows], log_prob=logp, advantages=adv[rows],
+                               response_mask=resp[rows], cliprange=CLIP, clip_ratio_c=DUAL_CLIP,
                                loss_agg_mode="token-mean")[0]
+    loss = loss * resp[rows].sum() / resp.sum()
     loss.backward()
-    res["loss"] = float(loss)
+    return float(loss)
 
+  def train_step(micro: int = 0):
+    model.zero_grad(set_to_none=True)
+    n = ids.shape[0]
+    res["loss"] = sum(forward_backward(slice(s, s + (micro or n))) for s in range(0, n, micro or n))
+
+  completion_tokens = int(np.sum(train["response_mask"]))
   first, best = _best(train_step, _train_repeats(repeats))
-  out["train"] = int(np.sum(train["response_mask"])) / best
+  out["train"] = completion_tokens / best
   out["train_compile"] = first
   out["train_loss"] = res["loss"]
+  if shapes["micro_rows"]:
+    _, best = _best(lambda: train_step(shapes["micro_rows"]), _train_repeats(repeats))
+    out["train_micro"] = completion_tokens / best
+    out["train_micro_loss"] = res["loss"]
   return out
 
 
@@ -379,7 +438,7 @@ def _peer(python: str, name: str, weights: str, args, eos: int) -> dict:
     return {"error": f"{python} missing (see the setup commands at the top of this file)"}
   cmd = [python, os.path.abspath(__file__), "--peer", name, "--weights", weights,
          "--repeats", str(args.repeats), "--eos", str(eos)] + (["--quick"] if args.quick else []) \
-      + (["--no-train"] if args.no_train else [])
+      + (["--no-train"] if args.no_train else []) + ["--micro-rows", str(args.micro_rows)]
   env = dict(os.environ, PYTHONPATH="")  # the peers must not see this checkout's salt_jax
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp")
   if proc.returncode != 0:
@@ -410,6 +469,10 @@ def _table(shapes: dict, ours: dict, tunix: dict, torch_: dict) -> str:
   rows.append((f"train fwd+bwd b={shapes['train_batch']} {shapes['train_prompt']}+"
                f"{shapes['completion']} (completion tok/s)", _fmt(o), _fmt(t),
                _fmt(pt) + (" (verl loss)" if pt else ""), ratio(o, t), ratio(o, pt)))
+  if shapes["micro_rows"]:
+    o, t, pt = ours.get("train_micro"), tunix.get("train_micro"), torch_.get("train_micro")
+    rows.append((f"  same, in micro-batches of {shapes['micro_rows']} rows", _fmt(o), _fmt(t),
+                 _fmt(pt), ratio(o, t), ratio(o, pt)))
   widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
   line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -422,6 +485,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=None, help="timed runs per figure (best kept)")
   ap.add_argument("--skip", default="", help="comma list of peers to skip: tunix,torch")
   ap.add_argument("--no-train", action="store_true", help="generation only")
+  ap.add_argument("--micro-rows", type=int, default=None,
+                  help="rows per micro-batch of the second training row (0: skip that row)")
   ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--weights", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--eos", type=int, default=None, help=argparse.SUPPRESS)
@@ -429,6 +494,11 @@ def main():
   if args.repeats is None:
     args.repeats = 1 if args.quick else 5
   shapes = _shapes(args.quick)
+  if args.micro_rows is not None:
+    if args.micro_rows < 0 or (args.micro_rows and shapes["train_batch"] % args.micro_rows):
+      ap.error(f"--micro-rows must divide the training batch ({shapes['train_batch']}) or be 0")
+    shapes["micro_rows"] = args.micro_rows
+  args.micro_rows = shapes["micro_rows"]
 
   if args.peer:  # a subprocess in a peer's venv: print one JSON line
     fn = {"tunix": _bench_tunix, "torch": _bench_torch}[args.peer]
@@ -454,7 +524,9 @@ def main():
     if res:
       comp = {k: f"{v:.1f}s" for k, v in res.get("gen_compile", {}).items()}
       print(f"{name}: first call (compile) per batch {comp}, train first step "
-            f"{res.get('train_compile', 0):.1f}s, train loss {res.get('train_loss', 0):.6f}")
+            f"{res.get('train_compile', 0):.1f}s, train loss {res.get('train_loss', 0):.6f}"
+            + (f", micro-batched {res['train_micro_loss']:.6f}" if "train_micro_loss" in res
+               else ""))
   # Same weights, same greedy decoding: the first rows' tokens should agree across frameworks.
   for b in shapes["gen_batches"]:
     ref = ours.get("gen_tokens", {}).get(b)

@@ -110,6 +110,9 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
   p.add_argument("--history-window", type=int, default=None,
                  help="prompt holds the last k steps (needs --layout step); default: whole history")
   p.add_argument("--minibatch-rows", type=int, default=d.get("minibatch_rows", 8))
+  p.add_argument("--microbatch-rows", type=int, default=0,
+                 help="rows per forward/backward pass, gradients accumulated over the "
+                 "mini-batch (0: the whole mini-batch at once)")
   p.add_argument("--recompute-old-logprobs", action="store_true")
   p.add_argument("--schedule", default="constant", help="constant or cosine")
   p.add_argument("--warmup-steps", type=int, default=0)
@@ -169,7 +172,8 @@ def main(env: str, defaults: dict, argv=None) -> int:
       max_cache_len=args.max_cache_len, eval_every=args.eval_every,
       num_eval_tasks=args.num_eval_tasks, num_train_tasks=args.num_train_tasks,
       layout=args.layout, history_window=args.history_window,
-      minibatch_rows=args.minibatch_rows, recompute_old_logprobs=args.recompute_old_logprobs,
+      minibatch_rows=args.minibatch_rows, microbatch_rows=args.microbatch_rows,
+      recompute_old_logprobs=args.recompute_old_logprobs,
       schedule=args.schedule, warmup_steps=args.warmup_steps,
       init_params=args.init_params, distributed=args.distributed, coordinator=args.coordinator,
       num_processes=args.num_processes, process_id=args.process_id)

@@ -84,6 +84,23 @@ def aggregate(values, mask, mode: str = "token-mean"):
   return jnp.sum(row * live) / jnp.maximum(jnp.sum(live), 1.0)
 
 
+def aggregate_weight(mask, mode: str = "token-mean"):
+  """The weight of a batch in `aggregate` over a larger batch it is part of: f32[].
+
+  aggregate(v, m, mode) over the rows of batches b_1..b_n equals
+  sum_i w_i aggregate(v_i, m_i, mode) / sum_i w_i with w_i = aggregate_weight(m_i, mode):
+  the unmasked tokens for 'token-mean', the rows with any unmasked token for the modes that
+  average over sequences. Micro-batched gradients (`microbatched_value_and_grad`) use it.
+  """
+  if mode not in LOSS_AGG_MODES:
+    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
+  _checks.check_rank("mask", mask, 2)
+  m = jnp.asarray(mask) != 0
+  if mode == "token-mean":
+    return jnp.sum(m, dtype=jnp.float32)
+  return jnp.sum(jnp.any(m, axis=-1), dtype=jnp.float32)
+
+
 def policy_loss(logp, old_logp, advantages, mask, *, clip_eps=0.2, clip_eps_high=None,
                 dual_clip=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
                 loss_agg="token-mean"):

@@ -92,7 +92,9 @@ class TrainConfig:
   Update: layout ('trajectory': one sequence per trajectory; 'step': one row per step),
     recompute_old_logprobs, lr, weight_decay, warmup_steps, schedule, max_grad_norm, clip_eps,
     clip_eps_high, dual_clip, kl_coef, kl_estimator, loss_agg, ppo_epochs, minibatch_rows,
-    min_seq_len, logprob_chunk.
+    microbatch_rows (0: a mini-batch in one forward and backward pass; else rows per pass, the
+    gradients accumulated to the mini-batch's: a divisor of minibatch_rows and a multiple of the
+    mesh's data axis), min_seq_len, logprob_chunk.
   Run: iters, seed, mesh ('DxM'), out, resume, checkpoint_every, max_to_keep, tensorboard,
     progress.
   Processes (`salt_jax.multihost`): distributed (join several processes with
@@ -149,6 +151,7 @@ class TrainConfig:
   loss_agg: str = "token-mean"
   ppo_epochs: int = 1
   minibatch_rows: int = 8
+  microbatch_rows: int = 0
   min_seq_len: int = 64
   logprob_chunk: int = 256
 
@@ -187,8 +190,11 @@ class TrainConfig:
                  "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
                  "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):
       pos_int(name)
-    for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed"):
+    for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows"):
       pos_int(name, 0)
+    need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
+         f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
+         f"({self.minibatch_rows})")
     need(self.max_cache_len > self.max_new_tokens + 16,
          f"max_cache_len ({self.max_cache_len}) must exceed max_new_tokens "
          f"({self.max_new_tokens}) + 16 to leave room for a prompt")
@@ -395,6 +401,10 @@ class Trainer:
     devices = None if self.num_processes == 1 else multihost.mesh_devices(
         *parse_mesh_shape(config.mesh))
     self.mesh = make_mesh(config.mesh, devices)  # an unformable mesh fails here, before any work
+    data = int(self.mesh.shape[DATA_AXIS])
+    if config.microbatch_rows % data:
+      raise ValueError(f"microbatch_rows ({config.microbatch_rows}) must be a multiple of the "
+                       f"mesh's data axis ({data}): each micro-batch is split over it")
     ckpt_dir = os.path.join(config.out, "checkpoints")
     if not config.resume and os.path.isdir(ckpt_dir) and any(
         n.isdigit() for n in os.listdir(ckpt_dir)):
@@ -536,22 +546,35 @@ class Trainer:
     self._advantages = jax.jit(advantages, static_argnums=(3,))
     self._refine = jax.jit(salt_jax.refine, static_argnums=(2,))
 
+    def loss_fn(p, mb, step_adv):
+      model = nnx.merge(graphdef, p)
+      logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
+                                             mb["attention_mask"], positions=mb["positions"],
+                                             chunk_size=cfg.logprob_chunk)
+      adv = salt_jax.token_advantages(step_adv, mb["token_step_ids"])
+      loss, m = salt_jax.policy_loss(
+          logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=cfg.clip_eps,
+          clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+          ref_logp=mb["ref_logprobs"], kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+          loss_agg=cfg.loss_agg)
+      return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
+
+    def loss_weight(mb):
+      return salt_jax.aggregate_weight(mb["loss_mask"], cfg.loss_agg)
+
+    def metric_weights(mb):
+      """pg_loss aggregates as the loss does; the other metrics are token means."""
+      tokens = salt_jax.aggregate_weight(mb["loss_mask"], "token-mean")
+      m = salt_jax.PolicyLossMetrics(*([tokens] * len(salt_jax.PolicyLossMetrics._fields)))
+      return m._replace(pg_loss=loss_weight(mb)), tokens
+
+    micro = self.rows // cfg.microbatch_rows if cfg.microbatch_rows else 1
+    grad_fn = salt_jax.microbatched_value_and_grad(
+        loss_fn, micro, has_aux=True, weight_fn=loss_weight, aux_weight_fn=metric_weights)
+
     def train_step(params, opt_state, mb, step_adv):
       """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
-      def loss_fn(p):
-        model = nnx.merge(graphdef, p)
-        logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
-                                               mb["attention_mask"], positions=mb["positions"],
-                                               chunk_size=cfg.logprob_chunk)
-        adv = salt_jax.token_advantages(step_adv, mb["token_step_ids"])
-        loss, m = salt_jax.policy_loss(
-            logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=cfg.clip_eps,
-            clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-            ref_logp=mb["ref_logprobs"], kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-            loss_agg=cfg.loss_agg)
-        return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
-
-      (loss, (m, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      (loss, (m, ent)), grads = grad_fn(params, mb, step_adv)
       gnorm = optax.tree.norm(grads)
       ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
       updates, new_opt = self.tx.update(grads, opt_state, params)
@@ -584,7 +607,9 @@ class Trainer:
   def _config_digest(self) -> str:
     keep = {k: v for k, v in self.config.to_json().items()
             if k not in ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
-                         "distributed", "coordinator", "num_processes", "process_id")}
+                         "distributed", "coordinator", "num_processes", "process_id",
+                         # the same gradients in fewer rows per pass: a resume may change it
+                         "microbatch_rows")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
   def save(self) -> None:

