@@ -61,6 +61,11 @@ def kl_estimate(logp, ref_logp, estimator: str = "k3"):
   return jnp.clip(jnp.exp(neg) - neg - 1.0, -_K3_CLAMP, _K3_CLAMP)
 
 
+def _check_loss_agg(mode: str) -> None:
+  if mode not in LOSS_AGG_MODES:
+    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
+
+
 def aggregate(values, mask, mode: str = "token-mean"):
   """Reduce per-token values f32[B, L] to a scalar over the mask (verl's `agg_loss`).
 
@@ -70,8 +75,7 @@ def aggregate(values, mask, mode: str = "token-mean"):
 
   Rows whose mask is all zero take no part (and a batch with no unmasked token gives 0, not NaN).
   """
-  if mode not in LOSS_AGG_MODES:
-    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
+  _check_loss_agg(mode)
   _checks.check_rank("values", values, 2)
   mask = _checks.as_mask("mask", mask, values).astype(values.dtype)
   masked = jnp.where(mask > 0, values, 0.0)
@@ -92,8 +96,7 @@ def aggregate_weight(mask, mode: str = "token-mean"):
   the unmasked tokens for 'token-mean', the rows with any unmasked token for the modes that
   average over sequences. Micro-batched gradients (`microbatched_value_and_grad`) use it.
   """
-  if mode not in LOSS_AGG_MODES:
-    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {mode!r}")
+  _check_loss_agg(mode)
   _checks.check_rank("mask", mask, 2)
   m = jnp.asarray(mask) != 0
   if mode == "token-mean":
