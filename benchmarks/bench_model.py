@@ -8,9 +8,12 @@ head_dim 64, vocab 2048, f32) with the same random weights in all three framewor
       128, prompt 64 + completion 192 -> completion tokens/s of salt_jax (token_logprobs +
       policy_loss), Tunix (`grpo_loss_fn`) and PyTorch with verl's `compute_policy_loss`.
 All three use the same loss settings: clip 0.2, dual clip 3.0 (verl's default), token-mean, no
-KL term. Each figure is the best of `--repeats` timed runs (at most 3 for training) after a
-warm-up (compile) run, because the machine is shared and noisy. Peers run one after another in subprocesses, in their own
-virtual environments, reading the weights from a Hugging Face folder (config.json +
+KL term. Each figure is the best of `--repeats` timed runs (default 10; at most 3 for training)
+after a warm-up (compile) run, because the machine is shared and noisy: a batch-16 call takes
+0.1 to 0.3 s, and single calls of the same program vary by 10 to 20%. Its speed also drifts over
+minutes, so generation runs in `--rounds` rounds (default 3), each timing all three frameworks
+one after another, and each figure is its framework's best round; training runs once after. Peers run one after
+another in subprocesses, in their own virtual environments, reading the weights from a Hugging Face folder (config.json +
 model.safetensors) written by `salt_jax.models.save_pretrained`.
 
 Peer environments (Tunix 0.1.7 pins safetensors < 0.8, which clashes with transformers 5.24):
@@ -400,6 +403,7 @@ def _bench_torch(weights: str, shapes: dict, repeats: int, eos: int,
   resp = torch.as_tensor(train["response_mask"], dtype=torch.float32)
   old = torch.as_tensor(train["old_logp"])
   adv = torch.as_tensor(train["advantages"])[:, None].expand_as(old)
+  res = {}
 
   def forward_backward(rows: slice) -> float:
     """Backward of this slice's token-mean loss weighted by its share of the tokens (verl's
@@ -433,17 +437,34 @@ def _bench_torch(weights: str, shapes: dict, repeats: int, eos: int,
 # ----------------------------------------------------------------------------- driver
 
 
-def _peer(python: str, name: str, weights: str, args, eos: int) -> dict:
+def _peer(python: str, name: str, weights: str, args, eos: int, *, gen: bool, train: bool) -> dict:
   if not os.path.exists(python):
     return {"error": f"{python} missing (see the setup commands at the top of this file)"}
   cmd = [python, os.path.abspath(__file__), "--peer", name, "--weights", weights,
          "--repeats", str(args.repeats), "--eos", str(eos)] + (["--quick"] if args.quick else []) \
-      + (["--no-train"] if args.no_train else []) + ["--micro-rows", str(args.micro_rows)]
+      + ([] if train else ["--no-train"]) + ([] if gen else ["--no-gen"]) \
+      + ["--micro-rows", str(args.micro_rows)]
   env = dict(os.environ, PYTHONPATH="")  # the peers must not see this checkout's salt_jax
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp")
   if proc.returncode != 0:
     return {"error": f"{name} exited {proc.returncode}: {proc.stderr[-2000:]}"}
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _merge(rounds: list[dict], train: dict) -> dict:
+  """One framework's figures: each generation batch's best round, the training run's figures.
+
+  The first error wins; compile times and greedy tokens come from the first round."""
+  for res in rounds + [train]:
+    if "error" in res:
+      return {"error": res["error"]}
+  if not rounds:
+    return dict(train)
+  out = {k: v for k, v in train.items() if k not in ("gen", "gen_compile", "gen_tokens")}
+  out.update(gen_compile=rounds[0]["gen_compile"], gen_tokens=rounds[0].get("gen_tokens", {}))
+  out["gen"] = {b: max(r["gen"][b] for r in rounds) for b in rounds[0]["gen"]}
+  out["gen_rounds"] = {b: [r["gen"][b] for r in rounds] for b in rounds[0]["gen"]}
+  return out
 
 
 def _fmt(x):
@@ -482,9 +503,14 @@ def _table(shapes: dict, ours: dict, tunix: dict, torch_: dict) -> str:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-  ap.add_argument("--repeats", type=int, default=None, help="timed runs per figure (best kept)")
+  ap.add_argument("--repeats", type=int, default=None,
+                  help="timed generation calls per figure, best kept (default 10; training: 3)")
   ap.add_argument("--skip", default="", help="comma list of peers to skip: tunix,torch")
   ap.add_argument("--no-train", action="store_true", help="generation only")
+  ap.add_argument("--rounds", type=int, default=None,
+                  help="generation rounds, the three frameworks one after another in each, so a "
+                       "slow spell of the machine hits all of them (default 3; --quick: 1)")
+  ap.add_argument("--no-gen", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--micro-rows", type=int, default=None,
                   help="rows per micro-batch of the second training row (0: skip that row)")
   ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
@@ -492,7 +518,11 @@ def main():
   ap.add_argument("--eos", type=int, default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.repeats is None:
-    args.repeats = 1 if args.quick else 5
+    args.repeats = 1 if args.quick else 10
+  if args.rounds is None:
+    args.rounds = 1 if args.quick else 3
+  if args.rounds < 1:
+    ap.error("--rounds must be >= 1")
   shapes = _shapes(args.quick)
   if args.micro_rows is not None:
     if args.micro_rows < 0 or (args.micro_rows and shapes["train_batch"] % args.micro_rows):
@@ -500,6 +530,8 @@ def main():
     shapes["micro_rows"] = args.micro_rows
   args.micro_rows = shapes["micro_rows"]
 
+  if args.no_gen:
+    shapes["gen_batches"] = []
   if args.peer:  # a subprocess in a peer's venv: print one JSON line
     fn = {"tunix": _bench_tunix, "torch": _bench_torch}[args.peer]
     print(json.dumps(fn(args.weights, shapes, args.repeats, args.eos, not args.no_train)))
@@ -507,13 +539,29 @@ def main():
 
   sys.path.insert(0, ROOT)
   skip = set(filter(None, args.skip.split(",")))
+  torch_py = VERL_PY if os.path.exists(VERL_PY) else sys.executable
+  peers = [(name, py) for name, py in (("tunix", TUNIX_PY), ("torch", torch_py))
+           if name not in skip]
+  gen = {"salt-jax": [], **{name: [] for name, _ in peers}}
+  train = {name: {} for name in gen}
   with tempfile.TemporaryDirectory() as weights:
     _make_weights(weights)
-    ours = _bench_ours(weights, shapes, args.repeats, None, not args.no_train)
-    eos = ours["eos"]
-    tunix = {} if "tunix" in skip else _peer(TUNIX_PY, "tunix", weights, args, eos)
-    torch_py = VERL_PY if os.path.exists(VERL_PY) else sys.executable
-    torch_ = {} if "torch" in skip else _peer(torch_py, "torch", weights, args, eos)
+    eos = None
+    # Generation first, in rounds: the machine's speed drifts over minutes, and a framework timed
+    # alone in a slow spell would lose by more than its code deserves.
+    for _ in range(args.rounds if shapes["gen_batches"] else 0):
+      res = _bench_ours(weights, shapes, args.repeats, eos, train_too=False)
+      eos = res["eos"]
+      gen["salt-jax"].append(res)
+      for name, py in peers:
+        gen[name].append(_peer(py, name, weights, args, eos, gen=True, train=False))
+    if not args.no_train:
+      train_shapes = dict(shapes, gen_batches=[])
+      train["salt-jax"] = _bench_ours(weights, train_shapes, args.repeats, eos or PAD)
+      for name, py in peers:
+        train[name] = _peer(py, name, weights, args, eos or PAD, gen=False, train=True)
+  ours, tunix, torch_ = (_merge(gen[name], train[name]) if name in gen else {}
+                         for name in ("salt-jax", "tunix", "torch"))
 
   print(_table(shapes, ours, tunix, torch_))
   print()
@@ -527,6 +575,13 @@ def main():
             f"{res.get('train_compile', 0):.1f}s, train loss {res.get('train_loss', 0):.6f}"
             + (f", micro-batched {res['train_micro_loss']:.6f}" if "train_micro_loss" in res
                else ""))
+  if args.rounds > 1:
+    for b in shapes["gen_batches"]:
+      per = [f"{name} " + " / ".join(_fmt(x) for x in res["gen_rounds"].get(str(b),
+                                                                           res["gen_rounds"].get(b)))
+             for name, res in (("salt-jax", ours), ("tunix", tunix), ("torch", torch_))
+             if "gen_rounds" in res]
+      print(f"generate b={b}, new tok/s in each round: " + "; ".join(per))
   # Same weights, same greedy decoding: the first rows' tokens should agree across frameworks.
   for b in shapes["gen_batches"]:
     ref = ours.get("gen_tokens", {}).get(b)
@@ -538,7 +593,7 @@ def main():
         print(f"greedy tokens, batch {b}, first 2 rows: salt-jax vs {name} agree on "
               f"{agree}/{total}")
   print(f"\ncommand: python benchmarks/{os.path.basename(__file__)} "
-        + " ".join(sys.argv[1:]) + f"   (repeats={args.repeats}, best kept)")
+        + " ".join(sys.argv[1:]) + f"   (repeats={args.repeats}, rounds={args.rounds}, best kept)")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,31 @@ def test_long_context_bench_runs_and_restores_the_block(capsys):
   assert qwen2._CAUSAL_QUERY_BLOCK == block  # pylint: disable=protected-access
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 |")]
   assert [r.split(" | ")[1] for r in rows] == ["forward", "forward+backward"]
+
+
+def test_bench_model_merges_rounds_by_best_and_keeps_errors():
+  import bench_model
+  r1 = {"gen": {"16": 100.0, "128": 300.0}, "gen_compile": {"16": 1.0}, "gen_tokens": {"16": [1]},
+        "eos": 5}
+  r2 = {"gen": {"16": 150.0, "128": 200.0}, "gen_compile": {"16": 0.1}, "gen_tokens": {"16": [2]}}
+  train = {"gen": {}, "gen_compile": {}, "train": 7.0, "train_loss": 0.5}
+  out = bench_model._merge([r1, r2], train)
+  assert out["gen"] == {"16": 150.0, "128": 300.0}
+  assert out["gen_rounds"] == {"16": [100.0, 150.0], "128": [300.0, 200.0]}
+  assert out["gen_compile"] == {"16": 1.0} and out["gen_tokens"] == {"16": [1]}
+  assert out["train"] == 7.0 and out["train_loss"] == 0.5
+  assert bench_model._merge([], train) == train  # generation skipped
+  assert bench_model._merge([r1, {"error": "tunix exited 1"}], train) == {"error": "tunix exited 1"}
+  assert bench_model._merge([r1], {"error": "boom"}) == {"error": "boom"}
+
+
+def test_bench_model_quick_run_without_peers():
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_model.py"),
+                         "--quick", "--rounds", "2", "--skip", "tunix,torch"],
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "generate b=4, new tok/s in each round: salt-jax " in proc.stdout
+  assert "train fwd+bwd b=4" in proc.stdout and "train loss" in proc.stdout

@@ -105,6 +105,46 @@ def test_greedy_is_argmax_of_full_forward_and_logprobs_match(setup):
     assert reason == "eos" or len(toks) == MAX_NEW
 
 
+@pytest.mark.parametrize("avx512", [False, True])
+def test_both_cpu_decode_paths_match_the_full_forward(setup, avx512, monkeypatch):
+  """The decode step's kernels depend on the CPU (`salt_jax.hostcpu`): without AVX-512, Eigen
+  dots and multiply-and-sum attention; with it, YNNPACK and batched attention dots. Whichever CPU
+  runs the tests, both paths give the full forward's greedy tokens and log-probs."""
+  from salt_jax import hostcpu
+  from salt_jax.models import qwen2
+  model, sampler, _, _, _ = setup
+  monkeypatch.setattr(hostcpu, "has_avx512", lambda: avx512)
+  assert qwen2._decode_attention_by_sum() == (jax.default_backend() == "cpu" and not avx512)
+  assert (sampling._few_rows_compiler_options() is None) == (
+      avx512 or jax.default_backend() != "cpu")
+  fresh = Sampler(model, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD,
+                  max_cache_len=CACHE, prompt_buckets=(8,), batch_buckets=(4,))
+  out = fresh(PROMPTS, jax.random.key(0), max_new_tokens=MAX_NEW, greedy=True)
+  for prompt, toks, plp in zip(PROMPTS, out.tokens, out.policy_logprobs):
+    steps = _log_softmax_full(model, prompt + toks.tolist())[len(prompt) - 1:][:len(toks)]
+    np.testing.assert_array_equal(np.argmax(steps, axis=-1), toks)
+    np.testing.assert_allclose(plp, steps[np.arange(len(toks)), toks], atol=1e-5)
+
+
+def test_has_avx512_reads_the_cpu_flags(tmp_path, monkeypatch):
+  from salt_jax import hostcpu
+  real_open = open
+  for text, want in (("flags\t: fpu avx2 avx512f avx512bw\n", True),
+                     ("flags\t: fpu avx2 avx512_bf16\n", False),  # a relative, not AVX-512F
+                     ("processor\t: 0\n", False)):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text)
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    hostcpu.has_avx512.cache_clear()
+    assert hostcpu.has_avx512() is want, text
+  monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("none")))
+  hostcpu.has_avx512.cache_clear()
+  assert hostcpu.has_avx512() is False  # unreadable: the AVX2 choices, which are safe anywhere
+  monkeypatch.undo()
+  hostcpu.has_avx512.cache_clear()
+
+
 def test_eos_stops_the_row_and_the_loop_exits_early(setup):
   _, sampler, ref, eos, eos_at = setup
   out = sampler([PROMPT_A], jax.random.key(0), max_new_tokens=MAX_NEW, greedy=True)
@@ -444,3 +484,18 @@ def test_cache_buckets_default_and_bad():
   assert small.cache_buckets == (64,)
   with pytest.raises(ValueError, match="cache_buckets"):
     Sampler(model, eos_token_ids=[1], pad_token_id=PAD, max_cache_len=64, cache_buckets=(1, 8))
+
+
+def test_argmax_matches_numpy_with_ties_infinities_and_nan():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((9, 50)).astype(np.float32)
+  x[1, [3, 40]] = x[1].max() + 1.0          # a tie: the first index wins
+  x[2] = -np.inf                            # nothing finite
+  x[3, [7, 9]] = np.inf
+  x[4, [30, 5]] = np.nan                    # NaN counts as the max, first one wins
+  x[5, 10] = np.nan
+  x[5, 2] = np.inf
+  x[6] = 0.0                                # all equal
+  got = np.asarray(jax.jit(sampling._argmax)(x))  # pylint: disable=protected-access
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
