@@ -197,6 +197,22 @@ def test_bf16_load_gives_f32_logits_close_to_f32(tmp_path):
                              atol=0.01 * np.abs(ref).max())
 
 
+def test_last_logits_only_matches_the_full_cached_pass():
+  # The last layer then runs attention and MLP for the last token alone; every layer's keys and
+  # values are still written for all tokens.
+  model = _random_model(ModelConfig.tiny(), 1)
+  ids, mask = _prompts(3, 10, seed=4)
+  cache = model.init_cache(3, 14)
+  mask_cache = np.concatenate([mask, np.zeros((3, 4), bool)], axis=1)
+  full, full_cache = _step(model, ids, _positions(mask), cache, jnp.int32(0), mask_cache)
+  last, last_cache = _step(model, ids, _positions(mask), cache, jnp.int32(0), mask_cache,
+                           last_logits_only=True)
+  assert last.shape == (3, 1, model.config.vocab_size)
+  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, -1:], atol=1e-5, rtol=0)
+  for a, b in zip(jax.tree.leaves(last_cache), jax.tree.leaves(full_cache)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_save_pretrained_round_trip_through_transformers(tmp_path):
   cfg = ModelConfig.tiny(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_heads=4,
                          num_kv_heads=2, head_dim=8, rope_theta=3e4)

@@ -472,10 +472,12 @@ class CausalLM(nnx.Module):
               (cache.v[i], v, (0, 2, 1, 3), (zero, zero, index, zero))))
       new_k.append(keys)
       new_v.append(values)
+      if last_logits_only and i == len(self.layers) - 1:
+        # Past the last layer's keys and values only the last token matters: its query, its
+        # attention and its MLP (the other T - 1 tokens' would be computed and thrown away).
+        q, x, attn_mask = q[:, -1:], x[:, -1:], attn_mask[:, -1:]
       x = shard(x + layer.attn.attend(q, keys.astype(self.dtype), values.astype(self.dtype),
                                       attn_mask, shard), "act_btd")
       x = shard(x + layer.mlp(layer.post_norm(x), shard), "act_btd")
-    if last_logits_only:
-      x = x[:, -1:]
     logits = self.logits_from_hidden(self.final_norm(x))
     return logits, KVCache(tuple(new_k), tuple(new_v))
