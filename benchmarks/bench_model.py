@@ -86,6 +86,8 @@ def _inputs(shapes: dict, seed: int = 0):
   v = CONFIG["vocab_size"]
   prompts = {b: rng.integers(1, v, (b, shapes["prompt"])).astype(np.int32)
              for b in shapes["gen_batches"]}
+  # Training data from a generator of its own: the same batch whichever generation batches run.
+  rng = np.random.default_rng([seed, 1])
   b, p, c = shapes["train_batch"], shapes["train_prompt"], shapes["completion"]
   seq = rng.integers(1, v, (b, p + c)).astype(np.int32)
   # Completions of varied length (at least half), padded on the right.
