@@ -14,7 +14,8 @@ after a warm-up (compile) run, because the machine is shared and noisy: a batch-
 minutes, so generation runs in `--rounds` rounds (default 3), each timing all three frameworks
 one after another, and each figure is its framework's best round; training runs once after.
 Peers run one after another in subprocesses, in their own virtual environments, reading the
-weights from a Hugging Face folder (config.json + model.safetensors) written by `salt_jax.models.save_pretrained`.
+weights from a Hugging Face folder (config.json + model.safetensors) written by
+`salt_jax.models.save_pretrained`.
 
 Peer environments (Tunix 0.1.7 pins safetensors < 0.8, which clashes with transformers 5.24):
 
