@@ -84,16 +84,32 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
                  help="float32 (default: small AdamW steps survive) or bfloat16, for --model")
   p.add_argument("--tokenizer", default=d.get("tokenizer", "qwen25"),
                  help="qwen25 (offline Qwen2.5), toy, or a local folder (ignored with --model)")
-  p.add_argument("--algo", default="grpo", help="grpo, rloo or drgrpo")
+  p.add_argument("--recipe", default=None,
+                 help="a named setting from salt_jax.recipes, e.g. verl-agent (its values "
+                 "replace these defaults; flags given explicitly win)")
+  p.add_argument("--algo", default=d.get("algo", "grpo"), help="grpo, rloo or drgrpo")
+  p.add_argument("--reward-scale", type=float, default=d.get("reward_scale", 1.0),
+                 help="times the env's return (verl-agent: 10 per win)")
+  p.add_argument("--invalid-action-penalty", type=float,
+                 default=d.get("invalid_action_penalty", 0.1))
+  p.add_argument("--penalty-scope", default=d.get("penalty_scope", "trajectory"),
+                 help="trajectory (penalty folded into its reward) or step (on the invalid "
+                 "step's own row, verl-agent)")
+  p.add_argument("--invalid-step", default=d.get("invalid_step", "admissible"),
+                 help="admissible (parser or env rejects it) or format (no parsable action, "
+                 "verl-agent)")
+  p.add_argument("--group-stats", default=d.get("group_stats", "trajectories"),
+                 help="group statistics over trajectories or over step rows (steps, verl-agent)")
   _bool_flag(p, "salt", True, "SALT step-level advantages (default on)")
-  p.add_argument("--history", type=int, default=3, help="SALT's state history h")
+  p.add_argument("--history", type=int, default=d.get("history", 3),
+                 help="SALT's state history h")
   p.add_argument("--group-size", type=int, default=d["group_size"])
   p.add_argument("--tasks-per-iter", type=int, default=d["tasks_per_iter"])
   p.add_argument("--iters", type=int, default=d["iters"])
   p.add_argument("--embedder", default="none",
                  help="none, minilm, or a local sentence-transformers folder (embedding merges)")
   p.add_argument("--lr", type=float, default=d.get("lr", 1e-6))
-  p.add_argument("--kl-coef", type=float, default=0.01)
+  p.add_argument("--kl-coef", type=float, default=d.get("kl_coef", 0.01))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None,
                  help=f"output folder (default: a new timestamped folder under {d['out']}; with "
@@ -106,8 +122,9 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
   p.add_argument("--eval-every", type=int, default=d.get("eval_every", 0))
   p.add_argument("--num-eval-tasks", type=int, default=d.get("num_eval_tasks", 4))
   p.add_argument("--num-train-tasks", type=int, default=d.get("num_train_tasks"))
-  p.add_argument("--layout", default="trajectory", help="trajectory (default) or step")
-  p.add_argument("--history-window", type=int, default=None,
+  p.add_argument("--layout", default=d.get("layout", "trajectory"),
+                 help="trajectory (default) or step")
+  p.add_argument("--history-window", type=int, default=d.get("history_window"),
                  help="prompt holds the last k steps (needs --layout step); default: whole history")
   p.add_argument("--minibatch-rows", type=int, default=d.get("minibatch_rows", 8))
   p.add_argument("--microbatch-rows", type=int, default=0,
@@ -134,6 +151,19 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
   return p
 
 
+def _recipe(name: str) -> dict:
+  """salt_jax.recipes.RECIPES[name], read without importing jax (the package's __init__ does)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "salt_jax",
+                      "recipes.py")
+  spec = importlib.util.spec_from_file_location("_salt_jax_recipes", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if name not in module.RECIPES:
+    raise SystemExit(f"error: unknown --recipe {name!r}; known: {sorted(module.RECIPES)}")
+  return dict(module.RECIPES[name])
+
+
 def output_dir(out, resume: bool, root: str) -> str:
   """--out, else a fresh timestamped run folder under `root` (so rerunning the same command never
   collides with an earlier run's checkpoints), or with --resume the newest run there."""
@@ -150,6 +180,11 @@ def output_dir(out, resume: bool, root: str) -> str:
 def main(env: str, defaults: dict, argv=None) -> int:
   """Parses flags, validates them before any work, optionally warm-starts, then trains."""
   args = parser(env, defaults).parse_args(argv)
+  if args.recipe is not None:
+    recipe = _recipe(args.recipe)
+    args = parser(env, {**defaults, **recipe}).parse_args(argv)
+  else:
+    recipe = {}
   args.distributed = args.distributed or any(
       v is not None for v in (args.coordinator, args.num_processes, args.process_id))
   if args.distributed and args.sft_warmstart:
@@ -161,7 +196,7 @@ def main(env: str, defaults: dict, argv=None) -> int:
   prepare_devices(args.mesh, args.num_processes or 1)
   # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
   from salt_jax.train import TrainConfig, Trainer
-  cfg = TrainConfig(
+  flags = dict(
       env=env, env_kwargs=dict(defaults.get("env_kwargs", {})), mesh=args.mesh, model=args.model,
       tokenizer=args.tokenizer, param_dtype=args.param_dtype, algo=args.algo, salt=args.salt,
       history=args.history,
@@ -176,7 +211,11 @@ def main(env: str, defaults: dict, argv=None) -> int:
       recompute_old_logprobs=args.recompute_old_logprobs,
       schedule=args.schedule, warmup_steps=args.warmup_steps,
       init_params=args.init_params, distributed=args.distributed, coordinator=args.coordinator,
-      num_processes=args.num_processes, process_id=args.process_id)
+      num_processes=args.num_processes, process_id=args.process_id,
+      reward_scale=args.reward_scale, invalid_action_penalty=args.invalid_action_penalty,
+      penalty_scope=args.penalty_scope, invalid_step=args.invalid_step,
+      group_stats=args.group_stats)
+  cfg = TrainConfig(**{**recipe, **flags})  # recipe values without a flag, then the flags
   try:
     cfg.validate()
     trainer = Trainer(cfg)  # forms the mesh: an impossible one fails here

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The toy run: 4 tasks x G=4 per iteration (2 tasks per process), a 2-layer d_model-64 policy.
 TOY = dict(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4,
            tasks_per_iter=4, num_train_tasks=8, max_steps=4, max_new_tokens=24,
-           max_cache_len=512, prompt_bucket_min=128, env_workers=0, lr=3e-3, kl_coef=0.05,
+           max_cache_len=512, prompt_bucket_min=128, env_workers=0, lr=3e-4, kl_coef=0.05,
            minibatch_rows=4, min_seq_len=64, seed=3, progress=False, tensorboard=False,
            checkpoint_every=100)  # one checkpoint, after the last iteration
 RECORD = "rollouts.pkl"  # the global batches of the multi-process run, written by process 0
@@ -63,7 +63,7 @@ def warm_start(out: str) -> str:
   # pylint: disable=import-outside-toplevel
   from salt_jax.train import TrainConfig
   from sft_warmstart import warm_start as clone
-  return clone(TrainConfig(**TOY, out=out), steps=40, num_demos=18, lr=1e-2)
+  return clone(TrainConfig(**TOY, out=out), steps=120, num_demos=18, lr=1e-2)
 
 
 def worker(args) -> int:

@@ -335,12 +335,21 @@ def _build(trajectories, group_ids, history, embedder, threshold) -> MergeIds:
   )
 
 
+def _same_length(merge_ids, name, other) -> tuple[np.ndarray, np.ndarray]:
+  merge_ids = np.asarray(merge_ids).reshape(-1)
+  other = np.asarray(other).reshape(-1)
+  if merge_ids.shape != other.shape:
+    raise ValueError(f"merge_ids and {name} must have the same length, got {merge_ids.shape} and "
+                     f"{other.shape}")
+  return merge_ids, other
+
+
 def cross_prompt_merges(merge_ids: np.ndarray, prompt_ids: np.ndarray) -> int:
   """How many steps were merged into an edge whose other members saw a different model prompt.
 
-  Where merged steps share the very same prompt and action their policy-gradient terms are
-  identical, so averaging their advantages leaves the summed gradient unchanged; SALT changes
-  learning only through merges that join different prompts. The trainer logs this count.
+  Prompts alone do not say whether SALT changes learning: merged steps with one prompt but
+  different responses (a reasoning policy's different <think> text before the same action) have
+  different gradient terms too. `gradient_changing_merges` counts what does change it.
 
   Args:
     merge_ids: int[N] merged-edge ids (`MergeIds.ids`).
@@ -348,14 +357,45 @@ def cross_prompt_merges(merge_ids: np.ndarray, prompt_ids: np.ndarray) -> int:
   Returns:
     The number of steps whose merged edge holds more than one distinct prompt.
   """
-  merge_ids = np.asarray(merge_ids).reshape(-1)
-  prompt_ids = np.asarray(prompt_ids).reshape(-1)
-  if merge_ids.shape != prompt_ids.shape:
-    raise ValueError(
-        f"merge_ids and prompt_ids must have the same length, got {merge_ids.shape} and "
-        f"{prompt_ids.shape}")
+  merge_ids, prompt_ids = _same_length(merge_ids, "prompt_ids", prompt_ids)
   if merge_ids.size == 0:
     return 0
   pairs = np.unique(np.stack([merge_ids, prompt_ids], 1).astype(np.int64), axis=0)
   prompts_per_edge = np.bincount(pairs[:, 0] - pairs[:, 0].min())
   return int(np.sum(prompts_per_edge[merge_ids - pairs[:, 0].min()] > 1))
+
+
+def gradient_changing_merges(merge_ids: np.ndarray, sample_ids: np.ndarray,
+                             advantages: np.ndarray, *, atol: float = 1e-6) -> int:
+  """How many steps sit in a merged edge whose averaging changes the summed policy gradient.
+
+  The policy gradient sums A_i * grad log pi(y_i | x_i) over steps i. Steps with the same prompt
+  tokens x and response tokens y (one sample id) share one gradient term, so after SALT gives
+  every member of edge e the edge's mean advantage, the sum is unchanged iff, for each distinct
+  sample s in e, the mean advantage of s's members already equals e's mean (gradient terms of
+  different samples taken as independent). Identical responses in one prompt leave the gradient
+  as GRPO's; different <think> text before the same action, or different prompts, change it
+  wherever the members' advantages differ.
+
+  Args:
+    merge_ids: int[N] merged-edge ids (`MergeIds.ids`).
+    sample_ids: int[N] an id of each step's (prompt tokens, response tokens): equal iff both are.
+    advantages: f[N] the step advantages before SALT.
+    atol: advantages closer than this count as equal.
+  Returns:
+    The number of steps in edges where some distinct sample's mean advantage differs from the
+    edge's mean (0 for N = 0). NaN advantages count as differing.
+  """
+  merge_ids, sample_ids = _same_length(merge_ids, "sample_ids", sample_ids)
+  _, advantages = _same_length(merge_ids, "advantages", advantages)
+  if merge_ids.size == 0:
+    return 0
+  _, edge = np.unique(merge_ids, return_inverse=True)
+  pairs, pair = np.unique(np.stack([edge, np.unique(sample_ids, return_inverse=True)[1]], 1),
+                          axis=0, return_inverse=True)
+  adv = advantages.astype(np.float64)
+  edge_mean = np.bincount(edge, adv) / np.bincount(edge)
+  pair_mean = np.bincount(pair.reshape(-1), adv) / np.bincount(pair.reshape(-1))
+  differs = ~(np.abs(pair_mean - edge_mean[pairs[:, 0]]) <= atol)
+  edge_changed = np.bincount(pairs[:, 0], differs, minlength=edge_mean.size) > 0
+  return int(np.sum(edge_changed[edge]))

@@ -11,15 +11,18 @@ method needs (group = task, trajectory, step index), as verl-agent's one row per
 
 Rewards. Each trajectory's outcome reward is
     R = (sum of environment rewards: 1.0 on success for outcome tasks) - penalty * (invalid steps)
-with penalty 0.1 by default. verl-agent applies the same coefficient per step: it subtracts 0.1 from
-the score of each invalid step's own row (`apply_invalid_action_penalty`, at that row's last
-response token) on top of the episode reward every row carries. Summed over a trajectory the two are equal;
-`outcome_rewards` is the per-trajectory form (what group-relative advantages need) and
-`step_invalid_penalty` the per-step form, for trainers that want verl-agent's exact rows.
+with penalty 0.1 by default (`outcome_rewards`). `row_rewards` gives each step row its score for
+step-row advantages, in either of two forms: the trajectory's R on every row (the penalty folded
+into the trajectory), or verl-agent's (`reward_manager/episode.py`, `apply_invalid_action_penalty`
+in `verl/trainer/ppo/ray_trainer.py`): every row scores the scaled episode reward (10 x won there)
+and an invalid step loses the penalty on its own row only.
 
-A step is invalid when the parser rejects the output (no `<action>` tags, empty, not admissible) or
-the environment does (`EnvStep.valid`). The environment is stepped either way (with "" when the tags
-are missing): an invalid step uses up a step, as in ALFWorld ("Nothing happens.").
+A step is invalid (`invalid_step`) either as this project checks it by default, "admissible": the
+parser rejects the output (no `<action>` tags, empty, too long, not admissible) or the environment
+does (`EnvStep.valid`); or as verl-agent does, "format": only an output without a parsable action
+(missing tags, empty, too long) is invalid, whatever the environment makes of the action. The
+environment is stepped either way (with "" when the tags are missing): an invalid step uses up a
+step, as in ALFWorld ("Nothing happens.").
 
 A trajectory whose worker crashed or hung is `failed`: its steps before the failure are kept in the
 batch but `step_train_mask` is False for them, and `trainable()` drops them altogether.
@@ -36,7 +39,14 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from envs.base import Task
+from salt_jax.agent import parsing
 from salt_jax.agent.parsing import parse_action
+
+INVALID_STEP_MODES = ("admissible", "format")
+PENALTY_SCOPES = ("trajectory", "step")
+GROUP_STATS = ("trajectories", "steps")
+# verl-agent's invalid step: its projection found no action (the env's verdict is not consulted).
+_FORMAT_OK = (parsing.OK, parsing.NOT_ADMISSIBLE)
 from salt_jax.agent.prompts import PromptConfig, Prompter
 
 
@@ -161,6 +171,35 @@ class RolloutBatch:
   def step_invalid_penalty(self) -> np.ndarray:
     """f32[N]: -penalty on invalid steps, 0 elsewhere (verl-agent's per-row form)."""
     return np.where(self.step_valid, 0.0, -self.invalid_action_penalty).astype(np.float32)
+
+  def row_rewards(self, reward_scale: float = 1.0, penalty_scope: str = "trajectory") -> np.ndarray:
+    """f32[N]: each step row's reward for step-row group advantages.
+
+    penalty_scope "trajectory": the trajectory's reward_scale * returns - penalty * num_invalid on
+      every row (with reward_scale 1, its `outcome_rewards`);
+    "step": reward_scale * returns on every row, minus the penalty on each invalid row alone
+      (verl-agent's rows: reward_scale 10, an outcome env's returns = won).
+    Rows of failed trajectories score 0.
+    """
+    if penalty_scope not in PENALTY_SCOPES:
+      raise ValueError(f"penalty_scope must be one of {PENALTY_SCOPES}, got {penalty_scope!r}")
+    t = self.step_traj_ids
+    base = reward_scale * self.returns.astype(np.float64)
+    if penalty_scope == "trajectory":
+      rows = (base - self.invalid_action_penalty * self.num_invalid)[t]
+    else:
+      rows = base[t] + self.step_invalid_penalty
+    return np.where(self.failed[t], 0.0, rows).astype(np.float32)
+
+  def stat_rows(self, group_stats: str = "trajectories") -> np.ndarray:
+    """bool[N]: the rows whose rewards make up their group's statistics: "steps", all of them
+    (verl-agent's compute_mean_std_cross_steps=True); "trajectories", each trajectory's first
+    row (one vote per trajectory, as its outcome reward would give)."""
+    if group_stats not in GROUP_STATS:
+      raise ValueError(f"group_stats must be one of {GROUP_STATS}, got {group_stats!r}")
+    if group_stats == "steps":
+      return np.ones(self.num_total_steps, bool)
+    return self.step_index == 0
 
   @property
   def step_train_mask(self) -> np.ndarray:
@@ -308,7 +347,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
             max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
             invalid_action_penalty: float = 0.1, seed: int = 0,
             max_prompt_tokens: Optional[int] = None, slot_offset: int = 0,
-            reuse_cache: bool = True) -> RolloutBatch:
+            reuse_cache: bool = True, invalid_step: str = "admissible") -> RolloutBatch:
   """Plays `group_size` trajectories of every task; returns their steps (see `RolloutBatch`).
 
   Args:
@@ -331,6 +370,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     reuse_cache: in whole-history mode, with a sampler that can (see `SamplerFn`), each turn
       after the first continues every trajectory from its previous turn's KV cache, so only the
       new tokens are prefilled. The rollout is the same either way (up to float rounding).
+    invalid_step: "admissible" or verl-agent's "format" (see the module docstring).
   Returns:
     RolloutBatch.
   """
@@ -352,6 +392,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     raise ValueError(f"max_prompt_tokens must be None or >= 1, got {max_prompt_tokens}")
   if not isinstance(reuse_cache, bool):
     raise ValueError(f"reuse_cache must be a bool, got {reuse_cache!r}")
+  if invalid_step not in INVALID_STEP_MODES:
+    raise ValueError(f"invalid_step must be one of {INVALID_STEP_MODES}, got {invalid_step!r}")
 
   prompter = Prompter(tokenizer, prompt_config)
   kwargs = dict(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
@@ -427,7 +469,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
           old_logprobs=np.asarray(out.policy_logprobs[j], np.float32),
           sample_logprobs=np.asarray(out.logprobs[j], np.float32), action=p.action,
           response=texts[j], observation=r.observation, reward=float(r.reward), done=r.done,
-          won=r.won, valid=p.valid and r.valid, parse_reason=p.reason,
+          won=r.won, parse_reason=p.reason,
+          valid=(p.reason in _FORMAT_OK) if invalid_step == "format" else (p.valid and r.valid),
           finish_reason=str(out.finish_reasons[j])))
       done[i] = r.done
       admissible[i] = r.admissible_actions

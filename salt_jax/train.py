@@ -55,7 +55,8 @@ from salt_jax import multihost
 from salt_jax.agent.prompts import PromptConfig
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
 from salt_jax.loss import aggregate
-from salt_jax.rollout import SamplingParams, collect
+from salt_jax.recipes import RECIPES
+from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES, SamplingParams, collect
 from salt_jax.sharding import DATA_AXIS, batch_sharding, make_mesh, parse_mesh_shape, replicated
 
 ALGOS = ("grpo", "rloo", "drgrpo")
@@ -86,9 +87,14 @@ class TrainConfig:
     on bf16 weights; or 'bfloat16').
   Rollout: group_size G, tasks_per_iter, max_new_tokens, temperature, top_p, top_k,
     history_window (None: whole conversation), max_cache_len, prompt_bucket_min (smallest sampler
-    prompt bucket), invalid_action_penalty.
-  Advantages: algo ('grpo', 'rloo', 'drgrpo'), salt, history (h), embedder (None / 'minilm' /
-    a local sentence-transformers folder), embed_threshold.
+    prompt bucket), invalid_action_penalty, invalid_step ('admissible': the parser or the env
+    rejects the action; 'format': verl-agent's, no parsable action).
+  Advantages: algo ('grpo', 'rloo', 'drgrpo'), reward_scale (times the env's return),
+    penalty_scope ('trajectory': the invalid-action penalty folded into the trajectory's reward;
+    'step': on the invalid step's own row, verl-agent's), group_stats ('trajectories': one vote
+    per trajectory; 'steps': over the group's step rows, verl-agent's), salt, history (h),
+    embedder (None / 'minilm' / a local sentence-transformers folder), embed_threshold.
+    `salt_jax.recipes` holds named sets of these (`from_recipe`).
   Update: layout ('trajectory': one sequence per trajectory; 'step': one row per step),
     recompute_old_logprobs, lr, weight_decay, warmup_steps, schedule, max_grad_norm, clip_eps,
     clip_eps_high, dual_clip, kl_coef, kl_estimator, loss_agg, ppo_epochs, minibatch_rows,
@@ -129,8 +135,12 @@ class TrainConfig:
   max_cache_len: int = 8192
   prompt_bucket_min: int = 128
   invalid_action_penalty: float = 0.1
+  invalid_step: str = "admissible"
 
   algo: str = "grpo"
+  reward_scale: float = 1.0
+  penalty_scope: str = "trajectory"
+  group_stats: str = "trajectories"
   salt: bool = True
   history: int = 3
   embedder: Optional[str] = None
@@ -206,6 +216,14 @@ class TrainConfig:
     need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
     need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
     need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")
+    need(self.invalid_step in INVALID_STEP_MODES,
+         f"invalid_step must be one of {INVALID_STEP_MODES}, got {self.invalid_step!r}")
+    need(self.penalty_scope in PENALTY_SCOPES,
+         f"penalty_scope must be one of {PENALTY_SCOPES}, got {self.penalty_scope!r}")
+    need(self.group_stats in GROUP_STATS,
+         f"group_stats must be one of {GROUP_STATS}, got {self.group_stats!r}")
+    need(math.isfinite(self.reward_scale) and self.reward_scale > 0,
+         f"reward_scale must be > 0, got {self.reward_scale}")
     need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
          f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
          f"{self.embedder!r}")
@@ -236,6 +254,13 @@ class TrainConfig:
 
   def to_json(self) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+  @classmethod
+  def from_recipe(cls, name: str, **overrides) -> "TrainConfig":
+    """The config of `salt_jax.recipes.RECIPES[name]`, with `overrides` on top."""
+    if name not in RECIPES:
+      raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+    return cls(**{**RECIPES[name], **overrides})
 
 
 # ----------------------------------------------------------------------------- task sampling
@@ -283,20 +308,43 @@ def _stats(x: np.ndarray, prefix: str) -> dict:
           f"{prefix}/abs_mean": float(np.abs(x).mean())}
 
 
-def skipped_groups(rewards: np.ndarray, group_ids: np.ndarray) -> int:
-  """Groups (of >= 1 member) whose finite rewards are all equal: their advantages are all 0."""
-  n = 0
-  for g in np.unique(group_ids):
-    r = rewards[(group_ids == g) & np.isfinite(rewards)]
-    n += int(r.size == 0 or np.all(r == r[0]))
-  return n
+def skipped_groups(step_adv: np.ndarray, step_group_ids: np.ndarray) -> int:
+  """Groups (with >= 1 step) whose step advantages are all 0: they give no policy gradient."""
+  live = np.unique(step_group_ids)
+  return int(live.size - np.unique(step_group_ids[step_adv != 0]).size)
 
 
-def _prompt_ids(prompts) -> np.ndarray:
-  """An int per step, equal iff the prompts' tokens are equal (for `cross_prompt_merges`)."""
+def advantage_inputs(batch, config: TrainConfig, size: int) -> tuple:
+  """(row_rewards f32, group_ids int32, row_mask bool, stat_rows bool), each [size]: the step rows
+  of `batch` (`RolloutBatch.row_rewards`, `stat_rows`) as `config` scores them, padded with masked
+  rows to `size` >= the number of steps."""
+  n = batch.num_total_steps
+  if size < n:
+    raise ValueError(f"size ({size}) must be >= the number of steps ({n})")
+  pad = lambda x, dtype: np.concatenate([np.asarray(x, dtype), np.zeros(size - n, dtype)])  # noqa: E731
+  return (pad(batch.row_rewards(config.reward_scale, config.penalty_scope), np.float32),
+          pad(batch.step_group_ids, np.int32), pad(np.ones(n, bool), bool),
+          pad(batch.stat_rows(config.group_stats), bool))
+
+
+def group_advantages(algo: str, row_rewards, group_ids, row_mask, stat_rows, num_groups: int):
+  """Step-row advantages of `algo` ('grpo', 'rloo', 'drgrpo'); jittable (num_groups static)."""
+  if algo == "rloo":
+    return salt_jax.rloo_advantages(row_rewards, group_ids, num_groups, mask=row_mask,
+                                    stat_mask=stat_rows)
+  if algo in ("grpo", "drgrpo"):
+    return salt_jax.grpo_advantages(row_rewards, group_ids, num_groups,
+                                    normalize_std=algo == "grpo", mask=row_mask,
+                                    stat_mask=stat_rows)
+  raise ValueError(f"unknown algo {algo!r}; expected one of {ALGOS}")
+
+
+def _token_ids(*token_lists) -> np.ndarray:
+  """An int per step, equal iff the steps' token sequences are all equal (`token_lists` are
+  parallel lists of int arrays: prompts alone, or prompts and responses)."""
   seen: dict = {}
-  return np.array([seen.setdefault(np.asarray(p, np.int32).tobytes(), len(seen))
-                   for p in prompts], np.int32)
+  return np.array([seen.setdefault(b"|".join(np.asarray(t, np.int32).tobytes() for t in ts),
+                                   len(seen)) for ts in zip(*token_lists)], np.int32)
 
 
 def _build_tokenizer(config: TrainConfig):
@@ -538,12 +586,7 @@ class Trainer:
                             chunk_size=cfg.logprob_chunk)
     self._logprobs = jax.jit(logprobs)
 
-    def advantages(rewards, group_ids, traj_mask, num_groups):
-      if cfg.algo == "rloo":
-        return salt_jax.rloo_advantages(rewards, group_ids, num_groups, mask=traj_mask)
-      return salt_jax.grpo_advantages(rewards, group_ids, num_groups,
-                                      normalize_std=cfg.algo == "grpo", mask=traj_mask)
-    self._advantages = jax.jit(advantages, static_argnums=(3,))
+    self._advantages = jax.jit(functools.partial(group_advantages, cfg.algo), static_argnums=(4,))
     self._refine = jax.jit(salt_jax.refine, static_argnums=(2,))
 
     def loss_fn(p, mb, step_adv):
@@ -652,7 +695,8 @@ class Trainer:
                    prompt_config=self.prompt_config, max_steps=self.config.max_steps,
                    max_new_tokens=self.config.max_new_tokens, sampling=sampling,
                    invalid_action_penalty=self.config.invalid_action_penalty, seed=seed,
-                   max_prompt_tokens=self.config.max_cache_len - self.config.max_new_tokens)
+                   max_prompt_tokens=self.config.max_cache_len - self.config.max_new_tokens,
+                   invalid_step=self.config.invalid_step)
 
   def collect_rollout(self, tasks, key, *, seed, group_size, greedy=False):
     """Plays G = `group_size` trajectories of each task; returns the `RolloutBatch` of them all.
@@ -721,20 +765,15 @@ class Trainer:
     }
     for tt, v in rm["success_rate_by_type"].items():
       m[f"success_rate/{tt}"] = v
-    n_traj_pad = self._round(cfg.tasks_per_iter * cfg.group_size)
-    rewards = np.zeros(n_traj_pad, np.float32)
-    rewards[:batch.num_trajectories] = batch.outcome_rewards
-    group_ids = np.zeros(n_traj_pad, np.int32)
-    group_ids[:batch.num_trajectories] = batch.traj_group_ids
-    traj_mask = np.arange(n_traj_pad) < batch.num_trajectories
-    m["invalid_rewards"] = int(salt_jax.count_invalid_rewards(rewards, traj_mask))
-    m["skipped_groups"] = skipped_groups(batch.outcome_rewards, batch.traj_group_ids)
+    m["invalid_rewards"] = int(salt_jax.count_invalid_rewards(batch.outcome_rewards))
 
     nsteps = batch.num_total_steps
     upd = {}
     if nsteps == 0:  # every trajectory failed: nothing to learn from
       times.update(old_logprob=0.0, ref_logprob=0.0, advantage=0.0, salt=0.0, update=0.0)
-      m.update(merge_rate=float("nan"), cross_prompt_merges=0)
+      m.update(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
+               merged_steps=0, gradient_changing_share=float("nan"),
+               skipped_groups=cfg.tasks_per_iter)
     else:
       tb = batching.from_rollout(batch, cfg.layout, pad_id=self.pad_id,
                                  min_length=cfg.min_seq_len, row_multiple=self.rows)
@@ -752,18 +791,17 @@ class Trainer:
         mb["ref_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
       times["ref_logprob"] = time.perf_counter() - t0
 
-      # group advantages per trajectory, repeated to its steps (padded to a power of two)
+      # group advantages of the step rows (padded to a power of two): each row's reward, scored
+      # against its group's statistics over the rows in stat_rows
       t0 = time.perf_counter()
-      traj_adv = self._advantages(self._put(rewards), self._put(group_ids), self._put(traj_mask),
-                                  cfg.tasks_per_iter)
       n_pad = self._round(batching.bucket_length(nsteps, 64))
-      step_traj = np.zeros(n_pad, np.int32)
-      step_traj[:nsteps] = batch.step_traj_ids
-      step_mask = np.arange(n_pad) < nsteps
-      step_adv = jnp.where(self._put(step_mask), jnp.take(traj_adv, self._put(step_traj)), 0.0)
-      step_adv = jax.block_until_ready(step_adv)
+      inputs = advantage_inputs(batch, cfg, n_pad)
+      step_mask = inputs[2]
+      step_adv = jax.block_until_ready(self._advantages(*map(self._put, inputs),
+                                                        cfg.tasks_per_iter))
       times["advantage"] = time.perf_counter() - t0
       before = multihost.to_host(step_adv)[:nsteps]
+      m["skipped_groups"] = skipped_groups(before, batch.step_group_ids)
 
       # SALT: merge ids on the host, refine on the device
       t0 = time.perf_counter()
@@ -778,10 +816,17 @@ class Trainer:
             self._refine(step_adv, self._put(ids), segs, self._put(step_mask)))
         m["merge_rate"] = merge.merge_rate
         m["cross_prompt_merges"] = salt_jax.cross_prompt_merges(
-            merge.ids, _prompt_ids(batch.prompt_ids))
+            merge.ids, _token_ids(batch.prompt_ids))
+        # Where SALT changes the policy gradient: edges of different (prompt, response) samples
+        # with different advantages (the same tokens share one gradient term).
+        m["merged_steps"] = int(np.sum(np.bincount(merge.ids)[merge.ids] > 1))
+        m["gradient_changing_merges"] = salt_jax.gradient_changing_merges(
+            merge.ids, _token_ids(batch.prompt_ids, batch.response_ids), before)
+        m["gradient_changing_share"] = (m["gradient_changing_merges"] / m["merged_steps"]
+                                        if m["merged_steps"] else float("nan"))
       else:
-        m["merge_rate"] = float("nan")
-        m["cross_prompt_merges"] = 0
+        m.update(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
+                 merged_steps=0, gradient_changing_share=float("nan"))
       times["salt"] = time.perf_counter() - t0
       after = multihost.to_host(step_adv)[:nsteps]
       m.update(_stats(before, "adv_before"))
@@ -793,7 +838,9 @@ class Trainer:
       # Kept for inspection (tests, debugging): what this iteration trained on.
       self.last_minibatches, self.last_step_adv = mbs, step_adv
       self.last_advantages = (before, after)
-      upd = self._update(mbs, step_adv, k_shuffle)
+      # With every advantage 0 the loss is KL alone; an update would move the policy (Adam makes
+      # a full step of any gradient, weight decay too) on no evidence at all, so none is taken.
+      upd = self._update(mbs, step_adv, k_shuffle) if np.any(after != 0) else self._no_update()
       times["update"] = time.perf_counter() - t0
     m.update(upd)
     m["skipped_updates_total"] = self.skipped_updates_total
@@ -842,12 +889,16 @@ class Trainer:
             sums[k] = sums.get(k, 0.0) + float(v)
     self.skipped_updates_total += skipped
     self._sync_sampler()
-    res = {k: v / n for k, v in sums.items()} if n else {
-        k: float("nan") for k in ("loss", "grad_norm", "kl", "clip_fraction", "pg_loss",
-                                  "ratio_mean", "approx_kl_old", "entropy")}
-    res["skipped_updates"] = skipped
-    res["num_updates"] = n
-    return res
+    if not n:
+      return {**self._no_update(), "skipped_updates": skipped}
+    return {**{k: v / n for k, v in sums.items()}, "skipped_updates": skipped, "num_updates": n}
+
+  @staticmethod
+  def _no_update() -> dict:
+    """The update metrics of an iteration that took no optimizer step."""
+    return {**{k: float("nan") for k in ("loss", "grad_norm", "kl", "clip_fraction", "pg_loss",
+                                         "ratio_mean", "approx_kl_old", "entropy")},
+            "skipped_updates": 0, "num_updates": 0}
 
   def evaluate(self) -> dict:
     """Greedy success on `num_eval_tasks` tasks of each eval split (overall and per task type)."""

@@ -43,6 +43,43 @@ def rloo(rewards, groups):
   return np.array(out, np.float64)
 
 
+def verl_agent_step_advantages(won, invalid, uid, traj_uid, algo, cross_steps,
+                               win_reward=10.0, penalty=0.1, eps=1e-6):
+  """verl-agent's step-row advantages, re-derived in loops (rows in batch order).
+
+  Each row scores win_reward * won of its episode (`reward_manager/episode.py`) minus `penalty` when
+  the row itself is invalid (`apply_invalid_action_penalty`). GRPO/RLOO statistics per `uid` over
+  every row (compute_mean_std_cross_steps=True) or over each trajectory's first row (False), as
+  `core_algos.compute_grpo_outcome_advantage` / `compute_rloo_outcome_advantage` collect them;
+  every row is then scored against them. One deliberate difference: a group with a single
+  statistics member gets 0 here where verl uses mean 0, std 1 (the raw score).
+  """
+  scores = [win_reward * float(w) - (penalty if bad else 0.0) for w, bad in zip(won, invalid)]
+  members, seen = {}, set()
+  for i, s in enumerate(scores):
+    if (uid[i], traj_uid[i]) in seen:
+      continue
+    members.setdefault(uid[i], []).append(s)
+    if not cross_steps:
+      seen.add((uid[i], traj_uid[i]))
+  out = []
+  for i, s in enumerate(scores):
+    m = members[uid[i]]
+    n = len(m)
+    if n < 2:
+      out.append(0.0)
+      continue
+    mean = sum(m) / n
+    if algo == "rloo":
+      out.append(s * n / (n - 1) - mean * n / (n - 1))
+    elif algo == "drgrpo":
+      out.append(s - mean)
+    else:
+      std = math.sqrt(sum((x - mean) ** 2 for x in m) / (n - 1))
+      out.append((s - mean) / (std + eps))
+  return np.array(out, np.float64)
+
+
 def merge_ids_exact(trajectories, group_ids, history):
   """Edge = (group, last min(h, t-1) pairs, a_t); ids by first appearance."""
   table = {}
@@ -150,3 +187,19 @@ def ppo_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip, ref, kl_coef,
   kl_loss = agg(kl) if ref is not None else 0.0
   n = mask.sum()
   return pg + kl_coef * kl_loss, pg, (clipped * mask).sum() / max(n, 1)
+
+
+def gradient_changing_steps(merge_ids, sample_ids, advantages, atol=1e-6):
+  """Steps in an edge where some distinct sample's mean advantage differs from the edge's mean."""
+  edges = {}
+  for i, e in enumerate(merge_ids):
+    edges.setdefault(e, []).append(i)
+  count = 0
+  for members in edges.values():
+    mean = sum(advantages[i] for i in members) / len(members)
+    by_sample = {}
+    for i in members:
+      by_sample.setdefault(sample_ids[i], []).append(advantages[i])
+    if any(not abs(sum(v) / len(v) - mean) <= atol for v in by_sample.values()):
+      count += len(members)
+  return count

@@ -82,6 +82,25 @@ def test_equal_rewards_give_zero_not_nan():
   assert np.all(np.asarray(salt_jax.rloo_advantages(r, g, 1)) == 0.0)
 
 
+@pytest.mark.parametrize("value, size", [(-0.4, 8), (-0.8, 8), (0.7, 8), (-0.3, 8), (9.7, 16),
+                                         (9.9, 8), (0.1, 3), (1e6 + 0.1, 5)])
+@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo"])
+def test_equal_rewards_that_do_not_round_exactly_give_exactly_zero(value, size, algo):
+  # The float mean of such a group is not the value itself (eight -0.4s average to -0.39999998):
+  # the advantage must still be exactly 0, in a batch beside groups that do have a signal.
+  r = np.concatenate([np.full(size, value, np.float32), np.array([0.0, 10.0, 9.9], np.float32)])
+  g = np.concatenate([np.zeros(size, np.int32), np.ones(3, np.int32)])
+  fns = {"grpo": lambda *a, **k: salt_jax.grpo_advantages(*a, **k),
+         "drgrpo": lambda *a, **k: salt_jax.grpo_advantages(*a, normalize_std=False, **k),
+         "rloo": lambda *a, **k: salt_jax.rloo_advantages(*a, **k)}
+  for out in (fns[algo](r, g, 2), jax.jit(fns[algo], static_argnums=2)(r, g, 2)):
+    out = np.asarray(out)
+    assert np.all(out[:size] == 0.0), out[:size]
+    want = {"grpo": ref.grpo, "drgrpo": lambda *a: ref.grpo(*a, normalize_std=False),
+            "rloo": ref.rloo}[algo](r[size:].tolist(), [1, 1, 1])
+    np.testing.assert_allclose(out[size:], want, rtol=1e-5, atol=1e-5)
+
+
 def test_nan_and_inf_rewards_are_left_out_and_counted():
   r = np.array([1.0, np.nan, 0.0, np.inf, 1.0], np.float32)
   g = np.zeros(5, np.int32)

@@ -194,3 +194,31 @@ def test_cross_prompt_merges():
   assert salt_jax.cross_prompt_merges(np.zeros(0, int), np.zeros(0, int)) == 0
   with pytest.raises(ValueError, match="same length"):
     salt_jax.cross_prompt_merges(ids, ids[:3])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.sampled_from([0.0, 1.0, -0.5])),
+                max_size=30))
+def test_gradient_changing_merges_matches_reference(steps):
+  ids = np.array([s[0] for s in steps], np.int64)
+  samples = np.array([s[1] for s in steps], np.int64)
+  adv = np.array([s[2] for s in steps], np.float32)
+  assert salt_jax.gradient_changing_merges(ids, samples, adv) == ref.gradient_changing_steps(
+      ids.tolist(), samples.tolist(), adv.tolist())
+
+
+def test_gradient_changing_merges_cases():
+  ids = np.array([0, 0, 1, 1, 2, 3, 3])
+  # Edge 0: one sample, different advantages (identical gradient terms: no change); edge 1: two
+  # samples, equal advantages (no change); edge 3: two samples, different advantages (change).
+  samples = np.array([5, 5, 6, 7, 8, 9, 10])
+  adv = np.array([1.0, -1.0, 0.5, 0.5, 2.0, 1.0, -1.0])
+  assert salt_jax.gradient_changing_merges(ids, samples, adv) == 2
+  adv_nan = adv.copy()
+  adv_nan[2] = np.nan
+  assert salt_jax.gradient_changing_merges(ids, samples, adv_nan) == 4
+  assert salt_jax.gradient_changing_merges(np.zeros(0, int), np.zeros(0, int), np.zeros(0)) == 0
+  with pytest.raises(ValueError, match="same length"):
+    salt_jax.gradient_changing_merges(ids, samples[:3], adv)
+  with pytest.raises(ValueError, match="same length"):
+    salt_jax.gradient_changing_merges(ids, samples, adv[:2])

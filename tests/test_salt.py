@@ -192,6 +192,51 @@ def test_salt_changes_gradient_when_merged_steps_have_different_prompts():
   assert np.max(np.abs(g_salt - g_raw)) > 1e-2
 
 
+def _token_policy_grad(prompt_ids, responses, advantages, num_prompts, vocab, length):
+  """Summed PPO gradient (ratio 1) of a tabular token policy W[prompt, position, token] over
+  whole responses (token lists), each token weighted by its step's advantage."""
+  tokens = np.zeros((len(responses), length), np.int32)
+  mask = np.zeros((len(responses), length), np.float32)
+  for i, r in enumerate(responses):
+    tokens[i, :len(r)], mask[i, :len(r)] = r, 1.0
+  def loss(w):
+    logits = w[np.asarray(prompt_ids)]  # [N, length, vocab]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[..., None], -1)[..., 0]
+    adv = jnp.asarray(advantages, jnp.float32)[:, None] * mask
+    l, _ = salt_jax.policy_loss(logp, jax.lax.stop_gradient(logp), adv, mask,
+                                loss_agg="seq-mean-token-sum")
+    return l
+  w = jnp.asarray(np.random.default_rng(2).normal(size=(num_prompts, length, vocab)), jnp.float32)
+  return np.asarray(jax.grad(loss)(w))
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_same_prompt_and_action_change_the_gradient_only_when_responses_differ(reasoning):
+  # Two trajectories of one group take the same first action from the same prompt (SALT merges
+  # the steps); one wins. A policy that writes only the action has identical responses: the
+  # summed gradient stays GRPO's. One that reasons writes different <think> tokens before the
+  # same <action> tokens: averaging the advantages moves credit between the two responses.
+  trajs = [[("open door", "hall")], [("open door", "hall")], [("look", "room")]]
+  m = salt_jax.build_merge_ids(trajs, [0, 0, 0], history=1)
+  action = [7, 8, 9]  # <action>open door</action>
+  think = ([[1, 2]], [[1, 2]]) if not reasoning else ([[1, 2]], [[3, 4]])
+  responses = [think[0][0] + action, think[1][0] + action, [5, 6, 9]]
+  prompts = [0, 0, 0]
+  step_adv = np.array([1.2, -0.6, -0.6], np.float32)
+  refined = np.asarray(salt_jax.refine(step_adv, m.ids, m.num_segments))
+  assert refined[0] == refined[1] == pytest.approx(0.3)
+  samples = [0, 0 if not reasoning else 1, 2]
+  g_raw = _token_policy_grad(prompts, responses, step_adv, 1, 10, 5)
+  g_salt = _token_policy_grad(prompts, responses, refined, 1, 10, 5)
+  changed = salt_jax.gradient_changing_merges(m.ids, samples, step_adv)
+  if reasoning:
+    assert changed == 2 and salt_jax.cross_prompt_merges(m.ids, prompts) == 0
+    assert np.max(np.abs(g_salt - g_raw)) > 1e-2
+  else:
+    assert changed == 0
+    np.testing.assert_allclose(g_salt, g_raw, atol=1e-6)
+
+
 def test_token_advantages_sharded_equals_unsharded():
   rng = np.random.default_rng(3)
   step_adv = rng.normal(size=50).astype(np.float32)

@@ -38,13 +38,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_KW = {"num_rooms": 3}
 BASE = TrainConfig(env="toy", env_kwargs=ENV_KW, tokenizer="toy", group_size=4, tasks_per_iter=2,
                    num_train_tasks=6, max_steps=4, max_new_tokens=24, max_cache_len=512,
-                   prompt_bucket_min=128, env_workers=0, lr=3e-3, kl_coef=0.05,
+                   prompt_bucket_min=128, env_workers=0, lr=3e-4, kl_coef=0.05,
                    minibatch_rows=4, min_seq_len=64, iters=3, seed=3, temperature=1.0,
                    progress=False)
 
 REQUIRED = [
     "iteration", "success_rate", "episode_length", "valid_action_ratio", "merge_rate",
-    "cross_prompt_merges", "adv_before/mean", "adv_before/std", "adv_before/abs_mean",
+    "cross_prompt_merges", "merged_steps", "gradient_changing_merges", "gradient_changing_share",
+    "adv_before/mean", "adv_before/std", "adv_before/abs_mean",
     "adv_after/mean", "adv_after/std", "adv_after/abs_mean", "adv_frac_changed", "kl",
     "clip_fraction", "entropy", "loss", "grad_norm", "lr", "skipped_groups", "invalid_rewards",
     "failed_trajectories", "skipped_updates", "time/rollout", "time/old_logprob",
@@ -53,7 +54,8 @@ REQUIRED = [
 # What SALT may change: the advantages after it, and what the update makes of them.
 FOLLOWS_FROM_ADVANTAGES = {
     "adv_after/mean", "adv_after/std", "adv_after/abs_mean", "adv_frac_changed", "merge_rate",
-    "cross_prompt_merges", "loss", "pg_loss", "grad_norm", "kl", "clip_fraction", "ratio_mean",
+    "cross_prompt_merges", "merged_steps", "gradient_changing_merges", "gradient_changing_share",
+    "loss", "pg_loss", "grad_norm", "kl", "clip_fraction", "ratio_mean",
     "approx_kl_old", "entropy"}
 
 
@@ -63,13 +65,15 @@ def _untimed(row):
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-  """Params of the tiny policy after 40 cloning steps: valid actions most of the time."""
+  """Params of the tiny policy after 120 cloning steps: 85% valid actions and 75% of the first
+  iteration's games won, so every iteration's groups have a signal (with 40 steps, 3% valid:
+  groups of all-invalid trajectories, whose advantages are exactly 0, took no update)."""
   tok = _build_tokenizer(BASE)
   model = build_policy(BASE, tok, make_mesh(BASE.mesh))
   env = ToyEnv(max_steps=BASE.max_steps, **ENV_KW)
   demos = sft.collect_demos(env, toy_tasks(6), seeds=range(3), max_steps=BASE.max_steps)
   batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64)
-  sft.behaviour_clone(model, batch, sft.SFTConfig(steps=40, rows=8, lr=1e-2))
+  sft.behaviour_clone(model, batch, sft.SFTConfig(steps=120, rows=8, lr=1e-2))
   path = str(tmp_path_factory.mktemp("warm") / "params")
   save_params(path, nnx.state(model))
   return path
@@ -485,6 +489,7 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(run_a):
     ("--mesh=4x", "--mesh must look like DxM"),  # before jax is imported
     ("--algo=ppo", "unknown algo"),
     ("--embedder=/no/such/model", "embedder must be"),
+    ("--recipe=paper", "unknown --recipe"),
 ])
 def test_script_rejects_bad_flags_before_any_work(flag, match, tmp_path):
   script = os.path.join(ROOT, "experiments", "textworld_grpo_salt.py")

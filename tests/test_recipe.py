@@ -1,0 +1,150 @@
+"""verl-agent's recipe: step-row rewards, the per-row invalid-action penalty, verl-agent's invalid
+step and group statistics over step rows, checked against a loop re-derivation of verl-agent's
+formulas (tests/references.py) on groups with invalid steps and unequal lengths."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from envs.pool import EnvPool
+from envs.toy import ToyEnv, toy_tasks
+from salt_jax import recipes
+from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
+from salt_jax.rollout import TextPolicySampler, collect
+from salt_jax.train import TrainConfig, advantage_inputs, group_advantages
+from tests import references as ref
+
+TOK = toy_chat_tokenizer()
+TASKS = toy_tasks(3)
+PLANS = {}
+for _t in TASKS:
+  _e = ToyEnv(max_steps=15)
+  PLANS[_e.reset(_t).observation] = _e.optimal_actions(_t)
+
+
+def _player(text, rng):
+  """Plays the plan, but answers without tags (format-invalid) or with an action that is not
+  admissible (format-valid) now and then, so trajectories differ in length and outcome."""
+  import re  # pylint: disable=import-outside-toplevel
+  task = re.search(r"Your task: (.*?)\n", text).group(1)
+  k = int(re.search(r"Now at step (\d+)", text).group(1)) - 1
+  u = rng.random()
+  if u < 0.2:
+    return "<think>hmm</think> no tags"
+  if u < 0.35:
+    return "<think>try</think><action>dance wildly</action>"
+  plan = PLANS[task]
+  return f"<think>step {k}</think><action>{plan[min(k, len(plan) - 1)]}</action>"
+
+
+@pytest.fixture(scope="module")
+def batch():
+  sampler = TextPolicySampler(TOK, _player)
+  with EnvPool("toy", {"max_steps": 6}, 0) as pool:
+    b = collect(pool, TASKS, 6, sampler, TOK, jax.random.key(4), seed=2, max_steps=6,
+                prompt_config=PromptConfig(history_window=2), invalid_step="format")
+  # The cases the test is about must occur.
+  assert len(set(b.num_steps)) > 1 and 0 < b.success.mean() < 1
+  assert {"missing_tags", "not_admissible", "ok"} <= set(b.parse_reasons)
+  return b
+
+
+def test_format_mode_marks_only_unparsable_outputs_invalid(batch):
+  reasons = np.array(batch.parse_reasons)
+  np.testing.assert_array_equal(batch.step_valid, reasons != "missing_tags")
+  with pytest.raises(ValueError, match="invalid_step"):
+    collect(None, TASKS, 2, None, TOK, jax.random.key(0), invalid_step="tags")
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "drgrpo"])
+@pytest.mark.parametrize("group_stats", ["steps", "trajectories"])
+def test_recipe_step_advantages_equal_verl_agents_formulas(batch, algo, group_stats):
+  cfg = TrainConfig.from_recipe("verl-agent", algo=algo, group_stats=group_stats,
+                                tasks_per_iter=len(TASKS))
+  n = batch.num_total_steps
+  inputs = advantage_inputs(batch, cfg, n + 5)
+  got = np.asarray(jax.jit(group_advantages, static_argnums=(0, 5))(algo, *inputs, len(TASKS)))
+  want = ref.verl_agent_step_advantages(
+      batch.success[batch.step_traj_ids], ~batch.step_valid, batch.step_group_ids.tolist(),
+      batch.step_traj_ids.tolist(), algo, cross_steps=group_stats == "steps")
+  np.testing.assert_allclose(got[:n], want, rtol=1e-5, atol=1e-5)
+  assert np.all(got[n:] == 0)
+  assert np.any(want != 0)
+
+
+def test_row_rewards_and_stat_rows(batch):
+  t = batch.step_traj_ids
+  invalid = ~batch.step_valid
+  np.testing.assert_allclose(batch.row_rewards(10.0, "step"),
+                             10.0 * batch.success[t] - 0.1 * invalid, rtol=1e-6)
+  # The trajectory form with scale 1 is the outcome reward on every row.
+  np.testing.assert_allclose(batch.row_rewards(), batch.outcome_rewards[t], rtol=1e-6)
+  assert batch.row_rewards(1.0, "step").sum() == pytest.approx(
+      batch.outcome_rewards[batch.num_steps > 0].dot(batch.num_steps[batch.num_steps > 0])
+      + 0.1 * (batch.num_invalid * batch.num_steps).sum() - 0.1 * invalid.sum(), rel=1e-5)
+  assert batch.stat_rows("steps").all()
+  np.testing.assert_array_equal(batch.stat_rows("trajectories"), batch.step_index == 0)
+  with pytest.raises(ValueError, match="penalty_scope"):
+    batch.row_rewards(1.0, "row")
+  with pytest.raises(ValueError, match="group_stats"):
+    batch.stat_rows("rows")
+
+
+def test_default_scoring_is_the_per_trajectory_outcome_advantage(batch):
+  # Trajectory-form rows with one vote per trajectory = GRPO over outcome rewards, repeated.
+  cfg = TrainConfig(tasks_per_iter=len(TASKS))
+  inputs = advantage_inputs(batch, cfg, batch.num_total_steps)
+  got = np.asarray(group_advantages("grpo", *inputs, len(TASKS)))
+  traj = ref.grpo(batch.outcome_rewards.tolist(), batch.traj_group_ids.tolist())
+  np.testing.assert_allclose(got, traj[batch.step_traj_ids], rtol=1e-5, atol=1e-5)
+
+
+def test_equal_rows_give_exactly_zero(batch):
+  # Every trajectory of the group wins with no invalid step: 10.0 on every row, advantage 0.
+  cfg = TrainConfig.from_recipe("verl-agent")
+  b = dataclasses.replace(batch, success=np.ones_like(batch.success),
+                          returns=np.ones_like(batch.returns),
+                          step_valid=np.ones_like(batch.step_valid))
+  for algo in ("grpo", "rloo", "drgrpo"):
+    got = np.asarray(group_advantages(algo, *advantage_inputs(b, cfg, b.num_total_steps),
+                                      len(TASKS)))
+    assert np.all(got == 0.0), algo
+
+
+def test_recipe_values_and_overrides():
+  cfg = TrainConfig.from_recipe("verl-agent", lr=3e-6)
+  cfg.validate()
+  assert (cfg.history_window, cfg.layout, cfg.reward_scale, cfg.penalty_scope, cfg.invalid_step,
+          cfg.group_stats) == (2, "step", 10.0, "step", "format", "steps")
+  assert (cfg.group_size, cfg.history, cfg.max_steps, cfg.tasks_per_iter) == (8, 3, 50, 16)
+  assert cfg.lr == 3e-6
+  assert set(recipes.VERL_AGENT) <= {f.name for f in dataclasses.fields(TrainConfig)}
+  with pytest.raises(ValueError, match="unknown recipe"):
+    TrainConfig.from_recipe("paper")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(invalid_step="tags"), "invalid_step"), (dict(penalty_scope="row"), "penalty_scope"),
+    (dict(group_stats="rows"), "group_stats"), (dict(reward_scale=0.0), "reward_scale"),
+    (dict(reward_scale=float("nan")), "reward_scale")])
+def test_bad_recipe_options(change, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(TrainConfig(), **change).validate()
+
+
+def test_script_recipe_flag_sets_the_recipe_and_explicit_flags_win():
+  import os  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+  import alfworld_grpo_salt as script  # pylint: disable=import-outside-toplevel
+  recipe = script._recipe("verl-agent")  # pylint: disable=protected-access
+  assert recipe == recipes.VERL_AGENT
+  args = script.parser("alfworld", {**script.CPU_DEFAULTS, **recipe}).parse_args(
+      ["--group-size", "4"])
+  assert (args.group_size, args.history_window, args.layout, args.reward_scale,
+          args.penalty_scope, args.invalid_step, args.group_stats, args.max_steps) == (
+              4, 2, "step", 10.0, "step", "format", "steps", 50)
+  with pytest.raises(SystemExit, match="unknown --recipe"):
+    script._recipe("paper")  # pylint: disable=protected-access
