@@ -192,6 +192,9 @@ class TrainConfig:
       pos_int(name)
     for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows"):
       pos_int(name, 0)
+    need(self.group_size >= 2,
+         f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
+         "own group, so every advantage is 0 and nothing is learned; use group_size >= 2")
     need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
          f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
          f"({self.minibatch_rows})")

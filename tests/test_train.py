@@ -437,6 +437,7 @@ def test_nan_guard_skips_the_update(run_a):
 
 @pytest.mark.parametrize("change, match", [
     (dict(group_size=0), "group_size"),
+    (dict(group_size=1), "no baseline: .* every advantage is 0"),
     (dict(algo="ppo"), "unknown algo"),
     (dict(mesh="4by2"), "DxM"),
     (dict(layout="trajectory", history_window=2), "whole-history"),
