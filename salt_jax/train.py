@@ -458,10 +458,11 @@ class Trainer:
       named = isinstance(getattr(x, "sharding", None), NamedSharding)
       return x if named else jax.device_put(x, replicated(self.mesh))
     self.opt_state = jax.tree.map(on_mesh, self.tx.init(params))
-    self.key = jax.random.key(cfg.seed)
-    if self.num_processes > 1:  # orbax saves only arrays on the global mesh in such a run
-      self.key = jax.random.wrap_key_data(
-          jax.device_put(jax.random.key_data(self.key), replicated(self.mesh)))
+    # On the mesh like every other piece of state, so a checkpoint restores it there (a key on
+    # one device meets the params on all of them in the sampler); orbax saves only arrays on the
+    # global mesh in a multi-process run.
+    self.key = jax.random.wrap_key_data(
+        jax.device_put(jax.random.key_data(jax.random.key(cfg.seed)), replicated(self.mesh)))
     env_kw = {"max_steps": cfg.max_steps, **cfg.env_kwargs}
     split = cfg.train_split or ENV_TRAIN_SPLIT[cfg.env]
     task_kw = dict(cfg.env_kwargs)
@@ -601,6 +602,16 @@ class Trainer:
     return {"params": self.params, "opt_state": self.opt_state, "ref_params": self.ref_params,
             "key": jax.random.key_data(self.key)}
 
+  def _abstract_state(self) -> dict:
+    """The state's shapes and dtypes on this run's shardings: a restore puts every leaf there,
+    whatever mesh the checkpoint was written on (a leaf not on the mesh goes replicated)."""
+    def on_mesh(x):
+      sharding = x.sharding
+      if not (isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh):
+        sharding = replicated(self.mesh)
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(on_mesh, self._state_tree())
+
   def _meta(self) -> dict:
     return {"iteration": self.iteration_index, "task_sampler": self.task_sampler.state(),
             "skipped_updates_total": self.skipped_updates_total,
@@ -623,9 +634,8 @@ class Trainer:
 
   def _restore(self, step: int) -> None:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._state_tree())
     got = self._ckpt.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(self._abstract_state()), meta=ocp.args.JsonRestore()))
     meta = got["meta"]
     if meta.get("config_digest") != self._config_digest():
       raise ValueError(f"the checkpoint in {self.config.out} was written with a different "

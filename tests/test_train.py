@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,15 +263,28 @@ def _tensorboard_scalars(out):
 
 def test_killed_at_any_moment_resumes_as_if_never_stopped(run_a, tmp_path):
   cfg, _, rows, _ = run_a
+  _kill_three_times_and_resume(cfg, rows, tmp_path)
+
+
+@pytest.mark.slow
+def test_killed_at_any_moment_on_a_4x2_mesh(run_4x2, tmp_path):
+  cfg, _, rows = run_4x2
+  _kill_three_times_and_resume(cfg, rows, tmp_path)
+
+
+def _kill_three_times_and_resume(cfg, rows, tmp_path):
+  """Trains `cfg` in subprocesses killed three times and resumed; its logs must equal `rows`, the
+  uninterrupted run's."""
   out = str(tmp_path / "k")
   fresh = dataclasses.replace(cfg, out=out)
   resume = dataclasses.replace(fresh, resume=True)
 
-  # 1. SIGKILL at a seeded random moment of the first two iterations (were it slower than that,
-  # the stop inside checkpoint 3's commit holds it, so it never finishes before the kill).
-  proc = _start(fresh, "in-save:3", tmp_path)
+  # 1. SIGKILL at a seeded random moment of all iterations but the last (were it slower than
+  # that, the stop inside the last checkpoint's commit holds it, so it never finishes before the
+  # kill).
+  proc = _start(fresh, f"in-save:{cfg.iters}", tmp_path)
   _wait_for(proc, os.path.join(out, "ready"))
-  delay = random.Random(7).uniform(0.0, rows[0]["time/iteration"] + rows[1]["time/iteration"])
+  delay = random.Random(7).uniform(0.0, sum(r["time/iteration"] for r in rows[:-1]))
   try:
     proc.wait(timeout=delay)
   except subprocess.TimeoutExpired:
@@ -496,13 +510,56 @@ def test_script_rejects_bad_flags_before_any_work(flag, match, tmp_path):
   assert not os.path.exists(out)
 
 
-def test_one_iteration_on_a_4x2_mesh(warm, tmp_path):
-  cfg = dataclasses.replace(BASE, mesh="4x2", out=str(tmp_path / "m"), iters=1, init_params=warm)
+@pytest.fixture(scope="module")
+def run_4x2(warm, tmp_path_factory):
+  """Run A's configuration for 2 iterations on the 4x2 mesh, uninterrupted: (config, trainer,
+  rows); its checkpoints 1 and 2 stay in its folder."""
+  cfg = dataclasses.replace(BASE, mesh="4x2", out=str(tmp_path_factory.mktemp("m")), iters=2,
+                            init_params=warm)
   with Trainer(cfg) as tr:
     tr.setup()
+    yield cfg, tr, tr.run()
+
+
+def _on_the_whole_mesh(tr):
+  """Every piece of the trainer's state lives on all 8 devices of its mesh."""
+  # pylint: disable=protected-access
+  return {len(x.sharding.device_set) for x in jax.tree.leaves(tr._state_tree())} == {8}
+
+
+def test_iterations_on_a_4x2_mesh(run_4x2):
+  _, tr, rows = run_4x2
+  assert _on_the_whole_mesh(tr)  # params, optimizer state, reference and key
+  for row in rows:
+    assert row["num_updates"] >= 1 and row["skipped_updates"] == 0
+    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+
+
+def _copy_run(src, dst, drop_steps=()):
+  """A copy of run folder `src` (checkpoints, logs) without checkpoints `drop_steps`: the folder a
+  run stopped earlier would have left."""
+  shutil.copytree(src, dst)
+  for step in drop_steps:
+    shutil.rmtree(os.path.join(dst, "checkpoints", str(step)))
+  return str(dst)
+
+
+def _params(tr):
+  return [np.asarray(x) for x in jax.tree.leaves(tr.params)]
+
+
+def test_resume_on_a_4x2_mesh_continues_as_if_never_stopped(run_4x2, tmp_path):
+  """The issue's `--mesh=4x2 --resume`: stopped after iteration 0's checkpoint, resumed in a new
+  Trainer, iteration 1 and the params after it are the uninterrupted run's."""
+  cfg, tr_a, rows = run_4x2
+  out = _copy_run(cfg.out, tmp_path / "r", drop_steps=[2])
+  with Trainer(dataclasses.replace(cfg, out=out, resume=True)) as tr:
+    tr.setup()
+    assert tr.iteration_index == 1 and _on_the_whole_mesh(tr)
+    # pylint: disable=protected-access
+    assert (jax.tree.map(lambda x: x.sharding, tr._state_tree())
+            == jax.tree.map(lambda x: x.sharding, tr_a._state_tree()))
     (row,) = tr.run()
-    devices = {len(x.sharding.device_set) for x in jax.tree.leaves(tr.params)}
-    counts = {len(x.sharding.device_set) for x in jax.tree.leaves(tr.opt_state)}
-  assert devices == {8} and counts == {8}  # params and optimizer state live on the whole mesh
-  assert row["num_updates"] >= 1 and row["skipped_updates"] == 0
-  assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+    assert _untimed(row) == _untimed(rows[1])
+    for a, b in zip(_params(tr), _params(tr_a)):
+      np.testing.assert_array_equal(a, b)
