@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 
 import salt_jax
 from salt_jax import batching
+from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
 from salt_jax import multihost
 from salt_jax.agent.prompts import PromptConfig
@@ -408,11 +409,11 @@ class Trainer:
     if config.microbatch_rows % data:
       raise ValueError(f"microbatch_rows ({config.microbatch_rows}) must be a multiple of the "
                        f"mesh's data axis ({data}): each micro-batch is split over it")
-    ckpt_dir = os.path.join(config.out, "checkpoints")
-    if not config.resume and os.path.isdir(ckpt_dir) and any(
-        n.isdigit() for n in os.listdir(ckpt_dir)):
+    if not config.resume and checkpoint.complete_steps(self._ckpt_dir()):
       raise ValueError(f"{config.out} already holds checkpoints: pass --resume to continue that "
                        "run, or choose another --out")
+    if config.resume:
+      self._check_resume_config()
     self._pool = None
     self._logger = None
     self._ckpt = None
@@ -494,7 +495,7 @@ class Trainer:
       with open(os.path.join(cfg.out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg.to_json(), f, indent=1, sort_keys=True)
     self._ckpt = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(cfg.out, "checkpoints")),
+        os.path.abspath(self._ckpt_dir()),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.max_to_keep, create=True,
                                              enable_async_checkpointing=False))
     resumed = False
@@ -616,15 +617,39 @@ class Trainer:
     return {"iteration": self.iteration_index, "task_sampler": self.task_sampler.state(),
             "skipped_updates_total": self.skipped_updates_total,
             "applied_updates": self.applied_updates,
-            "config_digest": self._config_digest()}
+            "config": self._compared_config(), "config_digest": self._config_digest()}
+
+  def _compared_config(self) -> dict:
+    """The configuration fields a resume must keep."""
+    return {k: v for k, v in self.config.to_json().items()
+            if k not in checkpoint.RESUME_MAY_CHANGE}
 
   def _config_digest(self) -> str:
-    keep = {k: v for k, v in self.config.to_json().items()
-            if k not in ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
-                         "distributed", "coordinator", "num_processes", "process_id",
-                         # the same gradients in fewer rows per pass: a resume may change it
-                         "microbatch_rows")}
+    """What checkpoints written before `_compared_config` was saved are checked against (its
+    fields and the mesh, which such a resume could not change)."""
+    keep = {**self._compared_config(), "mesh": self.config.mesh}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+  def _ckpt_dir(self) -> str:
+    return os.path.join(self.config.out, "checkpoints")
+
+  def _check_resume_config(self) -> None:
+    """Raises ValueError naming each field that differs from the saved run's (before any work)."""
+    meta = checkpoint.newest_meta(self._ckpt_dir())
+    if meta is None:
+      return
+    if "config" not in meta:  # written before the fields were saved: only the digest is there
+      if meta.get("config_digest") != self._config_digest():
+        raise ValueError(f"the checkpoint in {self.config.out} was written with a different "
+                         "configuration (only iters, out, eval_every, progress may change on "
+                         "--resume)")
+      return
+    diffs = checkpoint.config_differences(meta["config"], self._compared_config())
+    if diffs:
+      raise ValueError(
+          f"--resume: settings differ from the run saved in {self.config.out}: "
+          f"{'; '.join(diffs)}. Only {', '.join(checkpoint.RESUME_MAY_CHANGE)} may change on "
+          "--resume: pass the saved values, or choose another --out")
 
   def save(self) -> None:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -636,12 +661,9 @@ class Trainer:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     got = self._ckpt.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(self._abstract_state()), meta=ocp.args.JsonRestore()))
-    meta = got["meta"]
-    if meta.get("config_digest") != self._config_digest():
-      raise ValueError(f"the checkpoint in {self.config.out} was written with a different "
-                       "configuration (only iters, out, eval_every, progress may change on "
-                       "--resume)")
-    st = got["state"]
+    self._load(got["state"], got["meta"])
+
+  def _load(self, st: dict, meta: dict) -> None:
     self.params, self.opt_state, self.ref_params = st["params"], st["opt_state"], st["ref_params"]
     self.key = jax.random.wrap_key_data(st["key"])
     self.task_sampler.restore(meta["task_sampler"])

@@ -563,3 +563,62 @@ def test_resume_on_a_4x2_mesh_continues_as_if_never_stopped(run_4x2, tmp_path):
     assert _untimed(row) == _untimed(rows[1])
     for a, b in zip(_params(tr), _params(tr_a)):
       np.testing.assert_array_equal(a, b)
+
+
+def test_resume_onto_another_mesh_shape(run_a, tmp_path):
+  """Saved on 1x1, resumed on 4x2: every array restored exactly, onto the whole mesh, and the run
+  trains on."""
+  cfg, tr_a, _, _ = run_a
+  out = _copy_run(cfg.out, tmp_path / "m")
+  with Trainer(dataclasses.replace(cfg, out=out, resume=True, mesh="4x2", iters=4)) as tr:
+    tr.setup()
+    assert tr.iteration_index == 3 and _on_the_whole_mesh(tr)
+    for a, b in zip(_params(tr), _params(tr_a)):
+      np.testing.assert_array_equal(a, b)
+    (row,) = tr.run()
+  assert row["iteration"] == 3 and row["num_updates"] >= 1 and row["skipped_updates"] == 0
+  assert math.isfinite(row["loss"]) and row["kl"] > 0
+
+
+def test_resume_with_other_settings_names_them(run_a):
+  cfg, _, _, _ = run_a
+  with open(os.path.join(cfg.out, "config.json"), encoding="utf-8") as f:
+    saved = f.read()
+  with pytest.raises(ValueError, match=r"group_size: saved 4, now 8; lr: saved 0\.003, now 1\.0"):
+    Trainer(dataclasses.replace(cfg, resume=True, group_size=8, lr=1.0))
+  with open(os.path.join(cfg.out, "config.json"), encoding="utf-8") as f:
+    assert f.read() == saved  # nothing rewritten
+  # what a resume may change
+  Trainer(dataclasses.replace(cfg, resume=True, iters=9, mesh="4x2", microbatch_rows=4,
+                              eval_every=2, progress=True, tensorboard=False))
+
+
+def test_resume_of_a_checkpoint_with_only_a_config_digest(tmp_path):
+  """Checkpoints written before the configuration was saved field by field: the digest decides."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "old"), resume=True)
+  meta = os.path.join(cfg.out, "checkpoints", "1", "meta")
+  os.makedirs(meta)
+  digest = Trainer(cfg)._config_digest()  # pylint: disable=protected-access
+  for written, ok in ((digest, True), ("0123456789abcdef", False)):
+    with open(os.path.join(meta, "metadata"), "w", encoding="utf-8") as f:
+      json.dump({"iteration": 1, "config_digest": written}, f)
+    if ok:
+      Trainer(cfg)
+    else:
+      with pytest.raises(ValueError, match="written with a different configuration"):
+        Trainer(cfg)
+
+
+def test_script_names_the_settings_a_resume_changes(tmp_path):
+  """The experiment scripts stop, before any work, on a --resume whose flags differ from the
+  saved run's (here a checkpoint's saved fields, as orbax lays them out)."""
+  out = tmp_path / "run"
+  meta = out / "checkpoints" / "1" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"iteration": 1, "config": {"group_size": 3}}))
+  script = os.path.join(ROOT, "experiments", "textworld_grpo_salt.py")
+  p = subprocess.run([sys.executable, script, "--resume", f"--out={out}"], capture_output=True,
+                     text=True, timeout=120, check=False)
+  assert p.returncode != 0 and "error: --resume: settings differ" in p.stderr, p.stderr[-2000:]
+  assert "group_size: saved 3, now 4" in p.stderr
+  assert sorted(os.listdir(out)) == ["checkpoints"]  # nothing written
