@@ -39,6 +39,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -500,7 +501,7 @@ class Trainer:
                                              enable_async_checkpointing=False))
     resumed = False
     if cfg.resume and self._ckpt.latest_step() is not None:
-      self._restore(self._ckpt.latest_step())
+      self._restore_latest_intact()
       resumed = True
     self._sync_sampler()
     self._logger = metrics_lib.MetricsLogger(
@@ -613,11 +614,12 @@ class Trainer:
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return jax.tree.map(on_mesh, self._state_tree())
 
-  def _meta(self) -> dict:
+  def _meta(self, state: dict) -> dict:
     return {"iteration": self.iteration_index, "task_sampler": self.task_sampler.state(),
             "skipped_updates_total": self.skipped_updates_total,
             "applied_updates": self.applied_updates,
-            "config": self._compared_config(), "config_digest": self._config_digest()}
+            "config": self._compared_config(), "config_digest": self._config_digest(),
+            "fingerprints": checkpoint.fingerprints(state)}
 
   def _compared_config(self) -> dict:
     """The configuration fields a resume must keep."""
@@ -653,15 +655,29 @@ class Trainer:
 
   def save(self) -> None:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    state = self._state_tree()
     self._ckpt.save(self.iteration_index, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(self._state_tree()), meta=ocp.args.JsonSave(self._meta())))
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(self._meta(state))))
     self._ckpt.wait_until_finished()
 
-  def _restore(self, step: int) -> None:
+  def _read_checkpoint(self, step: int) -> tuple[dict, dict]:
+    """Checkpoint `step`'s state (on this run's shardings) and JSON; raises DamagedCheckpoint when
+    it does not read back, or reads back other values than were saved."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-    got = self._ckpt.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(self._abstract_state()), meta=ocp.args.JsonRestore()))
-    self._load(got["state"], got["meta"])
+    try:
+      got = self._ckpt.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(self._abstract_state()), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  (orbax raises bare Exception too)
+      raise checkpoint.DamagedCheckpoint(f"unreadable: {checkpoint.root_cause(e)}") from e
+    bad = checkpoint.damaged_leaves(got["state"], got["meta"].get("fingerprints"))
+    if bad:
+      raise checkpoint.DamagedCheckpoint(
+          f"arrays differ from the fingerprints saved with them: {len(bad)}, e.g. {bad[0]}")
+    return got["state"], got["meta"]
+
+  def _restore(self, step: int) -> None:
+    """Restores checkpoint `step` (raises DamagedCheckpoint if it is damaged)."""
+    self._load(*self._read_checkpoint(step))
 
   def _load(self, st: dict, meta: dict) -> None:
     self.params, self.opt_state, self.ref_params = st["params"], st["opt_state"], st["ref_params"]
@@ -671,6 +687,31 @@ class Trainer:
     self.skipped_updates_total = int(meta["skipped_updates_total"])
     self.applied_updates = int(meta["applied_updates"])
     nnx.update(self.model, self.params)
+
+  def _restore_latest_intact(self) -> None:
+    """Restores the newest checkpoint that reads back intact. Newer, damaged ones are named in a
+    warning and moved to <out>/damaged_checkpoints; raises ValueError when none is intact."""
+    damaged = {}
+    for step in sorted(self._ckpt.all_steps(), reverse=True):
+      try:
+        restored, problem = self._read_checkpoint(step), None
+      except checkpoint.DamagedCheckpoint as e:
+        problem = str(e)
+      problem = next((p for p in multihost.allgather_objects(problem) if p), None)  # all agree
+      if problem is None:
+        break
+      damaged[step] = problem
+    else:
+      raise ValueError(f"--resume found no intact checkpoint in {self._ckpt_dir()}: " + "; ".join(
+          f"checkpoint {s}: {p}" for s, p in damaged.items()))
+    if damaged:
+      moved = checkpoint.set_aside(self._ckpt_dir(), list(damaged),
+                                   os.path.join(self.config.out, "damaged_checkpoints"))
+      self._ckpt.reload()
+      warnings.warn(f"resuming from checkpoint {step} of {self.config.out}: " + "; ".join(
+          f"checkpoint {s} is damaged ({p}), moved to {m}"
+          for (s, p), m in zip(damaged.items(), moved)), stacklevel=2)
+    self._load(*restored)
 
   # ---------------------------------------------------------------- one iteration
 
