@@ -19,7 +19,10 @@ then logs metrics (`metrics.jsonl`, TensorBoard) and saves an orbax checkpoint (
 state, reference params, PRNG key, task sampler position, iteration). A checkpoint is complete or
 absent (orbax writes a temporary folder and renames it), and the log is cut back to the restored
 iteration on resume, so a run killed at any moment resumes as if it had never stopped; the save
-time is logged with the next iteration (`time/checkpoint`). SALT on or off changes only
+time is logged with the next iteration (`time/checkpoint`). A resume puts every array on this
+run's mesh (of any shape), refuses changed settings before any work (`salt_jax.checkpoint`), and
+passes over a damaged checkpoint (unreadable, or arrays that differ from their saved
+fingerprints) for the previous one. SALT on or off changes only
 the advantages: the PRNG stream, task order, env seeds and every other computation are the same.
 
 With several processes (`TrainConfig.distributed`, `salt_jax.multihost`) each plays its share of
