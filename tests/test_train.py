@@ -9,6 +9,7 @@ save) and resumed each time; its log must equal run A's.
 """
 
 import dataclasses
+import gc
 import glob
 import importlib.util
 import json
@@ -582,8 +583,13 @@ def test_resume_onto_another_mesh_shape(run_a, tmp_path):
 
 
 # After a failed read orbax 0.12.8 leaves coroutines that raise once its event loop is closed
-# (printed as "Exception ignored in ..."): noise from orbax, not a failure of the test.
+# (printed as "Exception ignored in ..."): noise from orbax, not a failure of the test. The tests
+# collect them (`_collect_orbax_leftovers`) while the noise is filtered.
 ORBAX_LEFTOVERS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _collect_orbax_leftovers():
+  gc.collect()
 
 
 def _largest_data_file(step_dir):
@@ -625,6 +631,7 @@ def test_resume_falls_back_from_a_damaged_checkpoint(run_a, tmp_path, damage, re
       (row,) = tr.run()
       assert _untimed(row) == _untimed(rows[2])
       assert _steps(out) == ([2, 3], [])  # a new checkpoint 3 where the damaged one was
+  _collect_orbax_leftovers()
 
 
 @ORBAX_LEFTOVERS
@@ -639,6 +646,7 @@ def test_resume_with_no_intact_checkpoint_stops(run_a, tmp_path):
       tr.setup()
   assert _steps(out) == ([2, 3], [])  # left as they were
   assert not os.path.exists(os.path.join(out, "damaged_checkpoints"))
+  _collect_orbax_leftovers()
 
 
 def test_resume_with_other_settings_names_them(run_a):
