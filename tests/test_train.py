@@ -268,7 +268,7 @@ def test_killed_at_any_moment_resumes_as_if_never_stopped(run_a, tmp_path):
   _kill_three_times_and_resume(cfg, rows, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # about 80 s here; the fast suite resumes on 4x2 in test_resume_on_a_4x2_mesh_*
 def test_killed_at_any_moment_on_a_4x2_mesh(run_4x2, tmp_path):
   cfg, _, rows = run_4x2
   _kill_three_times_and_resume(cfg, rows, tmp_path)
