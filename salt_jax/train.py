@@ -22,8 +22,8 @@ iteration on resume, so a run killed at any moment resumes as if it had never st
 time is logged with the next iteration (`time/checkpoint`). A resume puts every array on this
 run's mesh (of any shape), refuses changed settings before any work (`salt_jax.checkpoint`), and
 passes over a damaged checkpoint (unreadable, or arrays that differ from their saved
-fingerprints) for the previous one. SALT on or off changes only
-the advantages: the PRNG stream, task order, env seeds and every other computation are the same.
+fingerprints) for the previous one. SALT on or off changes only the advantages: the PRNG stream,
+task order, env seeds and every other computation are the same.
 
 With several processes (`TrainConfig.distributed`, `salt_jax.multihost`) each plays its share of
 the tasks and every later phase runs on the gathered global batch, on a mesh over all processes.
