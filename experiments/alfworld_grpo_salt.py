@@ -20,6 +20,7 @@ Nothing here imports jax at module level: `prepare_devices` must set XLA_FLAGS f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import os
 import re
@@ -177,6 +178,17 @@ def output_dir(out, resume: bool, root: str) -> str:
   return os.path.join(root, time.strftime("%Y%m%d-%H%M%S"))
 
 
+def _trainer_or_exit(cfg):
+  """A `Trainer` for `cfg`, or SystemExit with the reason a bad setting (or a --resume with
+  other settings than the saved run's) gives, before any work."""
+  from salt_jax.train import Trainer  # pylint: disable=import-outside-toplevel
+  try:
+    cfg.validate()
+    return Trainer(cfg)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
 def main(env: str, defaults: dict, argv=None) -> int:
   """Parses flags, validates them before any work, optionally warm-starts, then trains."""
   args = parser(env, defaults).parse_args(argv)
@@ -195,7 +207,7 @@ def main(env: str, defaults: dict, argv=None) -> int:
   args.out = output_dir(args.out, args.resume, defaults["out"])
   prepare_devices(args.mesh, args.num_processes or 1)
   # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
-  from salt_jax.train import TrainConfig, Trainer
+  from salt_jax.train import TrainConfig
   flags = dict(
       env=env, env_kwargs=dict(defaults.get("env_kwargs", {})), mesh=args.mesh, model=args.model,
       tokenizer=args.tokenizer, param_dtype=args.param_dtype, algo=args.algo, salt=args.salt,
@@ -216,19 +228,16 @@ def main(env: str, defaults: dict, argv=None) -> int:
       penalty_scope=args.penalty_scope, invalid_step=args.invalid_step,
       group_stats=args.group_stats)
   cfg = TrainConfig(**{**recipe, **flags})  # recipe values without a flag, then the flags
-  try:
-    cfg.validate()
-    trainer = Trainer(cfg)  # forms the mesh: an impossible one fails here
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
-  if args.sft_warmstart:
-    import dataclasses
-    from sft_warmstart import SFT_SUBDIR, warm_start
-    path = os.path.join(cfg.out, SFT_SUBDIR)
-    if not (args.resume and os.path.isdir(path)):  # a resumed run keeps its first warm start
-      path = warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos)
+  from sft_warmstart import SFT_SUBDIR, warm_start
+  sft_path = os.path.abspath(os.path.join(cfg.out, SFT_SUBDIR))  # as warm_start names it
+  resumed_warm = args.sft_warmstart and args.resume and os.path.isdir(sft_path)
+  if resumed_warm:  # a resumed run keeps its first warm start (and its saved init_params)
+    cfg = dataclasses.replace(cfg, init_params=sft_path)
+  trainer = _trainer_or_exit(cfg)  # forms the mesh: an impossible one fails here
+  if args.sft_warmstart and not resumed_warm:
+    path = warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos)
     trainer.close()
-    trainer = Trainer(dataclasses.replace(cfg, init_params=path))
+    trainer = _trainer_or_exit(dataclasses.replace(cfg, init_params=path))
   with trainer:
     trainer.setup()
     print(f"[salt-jax] {env}: {len(trainer.task_sampler.tasks)} training tasks, mesh "

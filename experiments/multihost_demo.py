@@ -38,7 +38,7 @@ TOY = dict(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4
            tasks_per_iter=4, num_train_tasks=8, max_steps=4, max_new_tokens=24,
            max_cache_len=512, prompt_bucket_min=128, env_workers=0, lr=3e-4, kl_coef=0.05,
            minibatch_rows=4, min_seq_len=64, seed=3, progress=False, tensorboard=False,
-           checkpoint_every=100)  # one checkpoint, after the last iteration
+           checkpoint_every=1)
 RECORD = "rollouts.pkl"  # the global batches of the multi-process run, written by process 0
 
 
@@ -67,7 +67,8 @@ def warm_start(out: str) -> str:
 
 
 def worker(args) -> int:
-  """One process of the run: trains `args.iters` iterations, writes process_<i>.json (+ params)."""
+  """One process of the run: trains up to iteration `args.iters` (from the last checkpoint with
+  --resume), writes process_<i>.json (+ params)."""
   # Before jax is imported: the number of CPU devices is fixed then.
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
   os.environ["JAX_PLATFORMS"] = "cpu"
@@ -93,7 +94,7 @@ def worker(args) -> int:
   procs = dict(distributed=True, coordinator=args.coordinator, num_processes=n,
                process_id=args.process_id) if n > 1 else {}
   cfg = TrainConfig(**TOY, iters=args.iters, out=args.out, init_params=args.init_params,
-                    mesh=f"{n * args.devices}x1", **procs)
+                    mesh=f"{n * args.devices}x1", resume=args.resume, **procs)
   replay = None
   if args.replay:
     with open(args.replay, "rb") as f:
@@ -101,7 +102,7 @@ def worker(args) -> int:
   with (ReplayTrainer(cfg, replay) if replay else Trainer(cfg)) as tr:
     tr.setup()
     rows, local_tasks, batches = [], [], []
-    for _ in range(cfg.iters):
+    while tr.iteration_index < cfg.iters:
       rows.append(tr.iteration())
       if tr.last_local_rollout is not None:
         local_tasks.append(sorted(set(tr.last_local_rollout.task_ids)))
@@ -122,9 +123,10 @@ def worker(args) -> int:
 
 
 def launch(out: str, *, num_processes: int, devices: int, iters: int, init_params: str,
-           replay: str | None = None, timeout: float = 600) -> list[str]:
-  """Runs `num_processes` workers on this machine (coordinator on a free port); returns their
-  outputs. Raises RuntimeError naming the worker that failed."""
+           replay: str | None = None, resume: bool = False, timeout: float = 600) -> list[str]:
+  """Runs `num_processes` workers on this machine (coordinator on a free port), resuming the run
+  in `out` with `resume`; returns their outputs. Raises RuntimeError naming the worker that
+  failed."""
   os.makedirs(out, exist_ok=True)
   coord = f"127.0.0.1:{free_port()}"
   procs = []
@@ -134,6 +136,8 @@ def launch(out: str, *, num_processes: int, devices: int, iters: int, init_param
            f"--iters={iters}", f"--out={out}", f"--init-params={init_params}"]
     if replay:
       cmd.append(f"--replay={replay}")
+    if resume:
+      cmd.append("--resume")
     procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
   deadline = time.monotonic() + timeout
@@ -202,6 +206,7 @@ def main(argv=None) -> int:
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   p.add_argument("--init-params", default=None, help=argparse.SUPPRESS)
   p.add_argument("--replay", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.num_processes < 1 or args.devices < 1 or args.iters < 1:
     raise SystemExit("error: --num-processes, --devices and --iters must be >= 1")

@@ -108,6 +108,12 @@ def _replicator(mesh: Mesh):
   return jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (a no-op with one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def to_host(x) -> np.ndarray:
   """The whole value of a (possibly multi-process) jax array as numpy, on every process.
 

@@ -19,8 +19,11 @@ then logs metrics (`metrics.jsonl`, TensorBoard) and saves an orbax checkpoint (
 state, reference params, PRNG key, task sampler position, iteration). A checkpoint is complete or
 absent (orbax writes a temporary folder and renames it), and the log is cut back to the restored
 iteration on resume, so a run killed at any moment resumes as if it had never stopped; the save
-time is logged with the next iteration (`time/checkpoint`). SALT on or off changes only
-the advantages: the PRNG stream, task order, env seeds and every other computation are the same.
+time is logged with the next iteration (`time/checkpoint`). A resume puts every array on this
+run's mesh (of any shape), refuses changed settings before any work (`salt_jax.checkpoint`), and
+passes over a damaged checkpoint (unreadable, or arrays that differ from their saved
+fingerprints) for the previous one. SALT on or off changes only the advantages: the PRNG stream,
+task order, env seeds and every other computation are the same.
 
 With several processes (`TrainConfig.distributed`, `salt_jax.multihost`) each plays its share of
 the tasks and every later phase runs on the gathered global batch, on a mesh over all processes.
@@ -39,6 +42,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -50,6 +54,7 @@ from jax.sharding import NamedSharding
 
 import salt_jax
 from salt_jax import batching
+from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
 from salt_jax import multihost
 from salt_jax.agent.prompts import PromptConfig
@@ -202,6 +207,9 @@ class TrainConfig:
       pos_int(name)
     for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows"):
       pos_int(name, 0)
+    need(self.group_size >= 2,
+         f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
+         "own group, so every advantage is 0 and nothing is learned; use group_size >= 2")
     need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
          f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
          f"({self.minibatch_rows})")
@@ -453,11 +461,11 @@ class Trainer:
     if config.microbatch_rows % data:
       raise ValueError(f"microbatch_rows ({config.microbatch_rows}) must be a multiple of the "
                        f"mesh's data axis ({data}): each micro-batch is split over it")
-    ckpt_dir = os.path.join(config.out, "checkpoints")
-    if not config.resume and os.path.isdir(ckpt_dir) and any(
-        n.isdigit() for n in os.listdir(ckpt_dir)):
+    if not config.resume and checkpoint.complete_steps(self._ckpt_dir()):
       raise ValueError(f"{config.out} already holds checkpoints: pass --resume to continue that "
                        "run, or choose another --out")
+    if config.resume:
+      self._check_resume_config()
     self._pool = None
     self._logger = None
     self._ckpt = None
@@ -503,10 +511,11 @@ class Trainer:
       named = isinstance(getattr(x, "sharding", None), NamedSharding)
       return x if named else jax.device_put(x, replicated(self.mesh))
     self.opt_state = jax.tree.map(on_mesh, self.tx.init(params))
-    self.key = jax.random.key(cfg.seed)
-    if self.num_processes > 1:  # orbax saves only arrays on the global mesh in such a run
-      self.key = jax.random.wrap_key_data(
-          jax.device_put(jax.random.key_data(self.key), replicated(self.mesh)))
+    # On the mesh like every other piece of state, so a checkpoint restores it there (a key on
+    # one device meets the params on all of them in the sampler); orbax saves only arrays on the
+    # global mesh in a multi-process run.
+    self.key = jax.random.wrap_key_data(
+        jax.device_put(jax.random.key_data(jax.random.key(cfg.seed)), replicated(self.mesh)))
     env_kw = {"max_steps": cfg.max_steps, **cfg.env_kwargs}
     split = cfg.train_split or ENV_TRAIN_SPLIT[cfg.env]
     task_kw = dict(cfg.env_kwargs)
@@ -538,12 +547,12 @@ class Trainer:
       with open(os.path.join(cfg.out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg.to_json(), f, indent=1, sort_keys=True)
     self._ckpt = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(cfg.out, "checkpoints")),
+        os.path.abspath(self._ckpt_dir()),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.max_to_keep, create=True,
                                              enable_async_checkpointing=False))
     resumed = False
     if cfg.resume and self._ckpt.latest_step() is not None:
-      self._restore(self._ckpt.latest_step())
+      self._restore_latest_intact()
       resumed = True
     self._sync_sampler()
     self._logger = metrics_lib.MetricsLogger(
@@ -641,37 +650,82 @@ class Trainer:
     return {"params": self.params, "opt_state": self.opt_state, "ref_params": self.ref_params,
             "key": jax.random.key_data(self.key)}
 
-  def _meta(self) -> dict:
+  def _abstract_state(self) -> dict:
+    """The state's shapes and dtypes on this run's shardings: a restore puts every leaf there,
+    whatever mesh the checkpoint was written on (a leaf not on the mesh goes replicated)."""
+    def on_mesh(x):
+      sharding = x.sharding
+      if not (isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh):
+        sharding = replicated(self.mesh)
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(on_mesh, self._state_tree())
+
+  def _meta(self, state: dict) -> dict:
     return {"iteration": self.iteration_index, "task_sampler": self.task_sampler.state(),
             "skipped_updates_total": self.skipped_updates_total,
             "applied_updates": self.applied_updates,
-            "config_digest": self._config_digest()}
+            "config": self._compared_config(), "config_digest": self._config_digest(),
+            "fingerprints": checkpoint.fingerprints(state)}
+
+  def _compared_config(self) -> dict:
+    """The configuration fields a resume must keep."""
+    return {k: v for k, v in self.config.to_json().items()
+            if k not in checkpoint.RESUME_MAY_CHANGE}
 
   def _config_digest(self) -> str:
-    keep = {k: v for k, v in self.config.to_json().items()
-            if k not in ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
-                         "distributed", "coordinator", "num_processes", "process_id",
-                         # the same gradients in fewer rows per pass: a resume may change it
-                         "microbatch_rows")}
+    """What checkpoints written before `_compared_config` was saved are checked against (its
+    fields and the mesh, which such a resume could not change)."""
+    keep = {**self._compared_config(), "mesh": self.config.mesh}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+  def _ckpt_dir(self) -> str:
+    return os.path.join(self.config.out, "checkpoints")
+
+  def _check_resume_config(self) -> None:
+    """Raises ValueError naming each field that differs from the saved run's (before any work)."""
+    meta = checkpoint.newest_meta(self._ckpt_dir())
+    if meta is None:
+      return
+    if "config" not in meta:  # written before the fields were saved: only the digest is there
+      if meta.get("config_digest") != self._config_digest():
+        raise ValueError(f"the checkpoint in {self.config.out} was written with a different "
+                         "configuration (only iters, out, eval_every, progress may change on "
+                         "--resume)")
+      return
+    diffs = checkpoint.config_differences(meta["config"], self._compared_config())
+    if diffs:
+      raise ValueError(
+          f"--resume: settings differ from the run saved in {self.config.out}: "
+          f"{'; '.join(diffs)}. Only {', '.join(checkpoint.RESUME_MAY_CHANGE)} may change on "
+          "--resume: pass the saved values, or choose another --out")
 
   def save(self) -> None:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    state = self._state_tree()
     self._ckpt.save(self.iteration_index, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(self._state_tree()), meta=ocp.args.JsonSave(self._meta())))
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(self._meta(state))))
     self._ckpt.wait_until_finished()
 
-  def _restore(self, step: int) -> None:
+  def _read_checkpoint(self, step: int) -> tuple[dict, dict]:
+    """Checkpoint `step`'s state (on this run's shardings) and JSON; raises DamagedCheckpoint when
+    it does not read back, or reads back other values than were saved."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._state_tree())
-    got = self._ckpt.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    meta = got["meta"]
-    if meta.get("config_digest") != self._config_digest():
-      raise ValueError(f"the checkpoint in {self.config.out} was written with a different "
-                       "configuration (only iters, out, eval_every, progress may change on "
-                       "--resume)")
-    st = got["state"]
+    try:
+      got = self._ckpt.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(self._abstract_state()), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  (orbax raises bare Exception too)
+      raise checkpoint.DamagedCheckpoint(f"unreadable: {checkpoint.root_cause(e)}") from e
+    bad = checkpoint.damaged_leaves(got["state"], got["meta"].get("fingerprints"))
+    if bad:
+      raise checkpoint.DamagedCheckpoint(
+          f"arrays differ from the fingerprints saved with them: {len(bad)}, e.g. {bad[0]}")
+    return got["state"], got["meta"]
+
+  def _restore(self, step: int) -> None:
+    """Restores checkpoint `step` (raises DamagedCheckpoint if it is damaged)."""
+    self._load(*self._read_checkpoint(step))
+
+  def _load(self, st: dict, meta: dict) -> None:
     self.params, self.opt_state, self.ref_params = st["params"], st["opt_state"], st["ref_params"]
     self.key = jax.random.wrap_key_data(st["key"])
     self.task_sampler.restore(meta["task_sampler"])
@@ -679,6 +733,31 @@ class Trainer:
     self.skipped_updates_total = int(meta["skipped_updates_total"])
     self.applied_updates = int(meta["applied_updates"])
     nnx.update(self.model, self.params)
+
+  def _restore_latest_intact(self) -> None:
+    """Restores the newest checkpoint that reads back intact. Newer, damaged ones are named in a
+    warning and moved to <out>/damaged_checkpoints; raises ValueError when none is intact."""
+    damaged = {}
+    for step in sorted(self._ckpt.all_steps(), reverse=True):
+      try:
+        restored, problem = self._read_checkpoint(step), None
+      except checkpoint.DamagedCheckpoint as e:
+        problem = str(e)
+      problem = next((p for p in multihost.allgather_objects(problem) if p), None)  # all agree
+      if problem is None:
+        break
+      damaged[step] = problem
+    else:
+      raise ValueError(f"--resume found no intact checkpoint in {self._ckpt_dir()}: " + "; ".join(
+          f"checkpoint {s}: {p}" for s, p in damaged.items()))
+    if damaged:
+      moved = checkpoint.set_aside(self._ckpt_dir(), list(damaged),
+                                   os.path.join(self.config.out, "damaged_checkpoints"))
+      self._ckpt.reload()
+      warnings.warn(f"resuming from checkpoint {step} of {self.config.out}: " + "; ".join(
+          f"checkpoint {s} is damaged ({p}), moved to {m}"
+          for (s, p), m in zip(damaged.items(), moved)), stacklevel=2)
+    self._load(*restored)
 
   # ---------------------------------------------------------------- one iteration
 

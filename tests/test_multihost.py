@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 
@@ -45,8 +46,21 @@ demo = _load_demo()
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+  """The demo's run; its workers, and later ones of these tests, share compiled programs."""
   out = str(tmp_path_factory.mktemp("multihost"))
-  return out, demo.run_demo(out, num_processes=2, devices=2, iters=2, check=True)
+  cache = dict(JAX_COMPILATION_CACHE_DIR=os.path.join(out, "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  before = {k: os.environ.get(k) for k in cache}
+  os.environ.update(cache)  # the workers inherit it
+  try:
+    yield out, demo.run_demo(out, num_processes=2, devices=2, iters=2, check=True)
+  finally:
+    for k, v in before.items():
+      if v is None:
+        os.environ.pop(k)
+      else:
+        os.environ[k] = v
 
 
 def test_both_processes_end_with_identical_params(run):
@@ -89,7 +103,26 @@ def test_metrics_are_global_and_written_once(run):
   assert [_untimed(r) for r in p1["rows"]] == [_untimed(r) for r in logged]  # same on both
   assert not os.path.exists(os.path.join(out, "multi", "tb"))  # tensorboard off in the demo
   steps = sorted(int(s) for s in os.listdir(os.path.join(out, "multi", "checkpoints")))
-  assert steps == [2]  # the last iteration's, its shards written by both processes
+  assert steps == [1, 2]  # one per iteration, their shards written by both processes
+
+
+def test_two_processes_resume_as_if_never_stopped(run, tmp_path):
+  """The run stopped after iteration 0's checkpoint, then both processes started again with
+  --resume: iteration 1 and the params after it are the uninterrupted run's, on both."""
+  out, res = run
+  multi, resumed = os.path.join(out, "multi"), str(tmp_path / "resumed")
+  shutil.copytree(multi, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "2"))
+  with open(os.path.join(multi, "config.json"), encoding="utf-8") as f:
+    init = json.load(f)["init_params"]
+  demo.launch(resumed, num_processes=2, devices=2, iters=2, init_params=init, resume=True)
+  got = [json.load(open(os.path.join(resumed, f"process_{i}.json"), encoding="utf-8"))
+         for i in range(2)]
+  want = _untimed(res["multi"][0]["rows"][1])
+  assert [_untimed(r) for r in got[0]["rows"]] == [want] == [_untimed(r) for r in got[1]["rows"]]
+  assert got[0]["sha256"] == got[1]["sha256"] == res["multi"][0]["sha256"]
+  logged = metrics_lib.read_jsonl(os.path.join(resumed, "metrics.jsonl"))
+  assert [_untimed(r) for r in logged] == [_untimed(r) for r in res["multi"][0]["rows"]]
 
 
 def test_one_process_on_the_same_batches_matches(run):
