@@ -583,8 +583,12 @@ def test_resume_onto_another_mesh_shape(run_a, tmp_path):
     for a, b in zip(_params(tr), _params(tr_a)):
       np.testing.assert_array_equal(a, b)
     (row,) = tr.run()
-  assert row["iteration"] == 3 and row["num_updates"] >= 1 and row["skipped_updates"] == 0
-  assert math.isfinite(row["loss"]) and row["kl"] > 0
+  assert row["iteration"] == 3 and row["skipped_updates"] == 0
+  # It trained on, unless no group of this rollout had a signal (then no update is taken).
+  if row["skipped_groups"] < cfg.tasks_per_iter:
+    assert row["num_updates"] >= 1 and math.isfinite(row["loss"]) and row["kl"] > 0
+  else:
+    assert row["num_updates"] == 0 and row["adv_after/abs_mean"] == 0
 
 
 # After a failed read orbax 0.12.8 leaves coroutines that raise once its event loop is closed
@@ -658,7 +662,7 @@ def test_resume_with_other_settings_names_them(run_a):
   cfg, _, _, _ = run_a
   with open(os.path.join(cfg.out, "config.json"), encoding="utf-8") as f:
     saved = f.read()
-  with pytest.raises(ValueError, match=r"group_size: saved 4, now 8; lr: saved 0\.003, now 1\.0"):
+  with pytest.raises(ValueError, match=r"group_size: saved 4, now 8; lr: saved 0\.0003, now 1\.0"):
     Trainer(dataclasses.replace(cfg, resume=True, group_size=8, lr=1.0))
   with open(os.path.join(cfg.out, "config.json"), encoding="utf-8") as f:
     assert f.read() == saved  # nothing rewritten
