@@ -1,19 +1,23 @@
-"""The training iteration: rollout -> rewards -> group advantages -> SALT -> PPO-clip updates.
+"""The training iteration: rollout -> step advantages -> SALT -> PPO-clip updates.
 
 One `Trainer.iteration()` does, in order (each phase timed, as in the paper's cost breakdown):
 
-  rollout      `rollout.collect`: G trajectories for each of `tasks_per_iter` tasks; outcome reward
-               = env reward - invalid_action_penalty * invalid steps. Failed (crashed) trajectories
-               are counted and dropped.
+  rollout      `rollout.collect`: G trajectories for each of `tasks_per_iter` tasks, one row per
+               step. Failed (crashed) trajectories are counted and dropped.
+  advantage    grpo / rloo / drgrpo over the step rows of each group: each row's reward
+               (`RolloutBatch.row_rewards`: the trajectory's outcome, or verl-agent's episode
+               reward minus the row's own penalty) against its group's statistics (over one row
+               per trajectory, or over all step rows: `group_stats`).
+  salt         (SALT on) `build_merge_ids` on the host over `trajectories_for_salt()`, `refine`
+               on the device; step advantages -> per-token advantages via `token_advantages`.
   old_logprob  from the sampler (`policy_logprobs`), or recomputed with the current params
                (`recompute_old_logprobs`).
   ref_logprob  log-probs under the frozen initial policy (the KL reference).
-  advantage    grpo / rloo / drgrpo per trajectory over its group, repeated to its steps.
-  salt         (SALT on) `build_merge_ids` on the host over `trajectories_for_salt()`, `refine`
-               on the device; step advantages -> per-token advantages via `token_advantages`.
   update       PPO-clip (+ KL to the reference) over shuffled mini-batches, AdamW with global-norm
                clipping and a warmup + constant / cosine schedule. A mini-batch whose loss or
                gradient is not finite is skipped (params and optimizer state untouched) and counted.
+               When every step advantage is 0 there is nothing to learn: the log-prob and update
+               phases are skipped (`num_updates` 0).
 
 then logs metrics (`metrics.jsonl`, TensorBoard) and saves an orbax checkpoint (params, optimizer
 state, reference params, PRNG key, task sampler position, iteration). A checkpoint is complete or
@@ -858,18 +862,6 @@ class Trainer:
                                  min_length=cfg.min_seq_len, row_multiple=self.rows)
       mbs = self._minibatches(tb)
 
-      # old log-probs: the sampler's, or recomputed under the current params
-      t0 = time.perf_counter()
-      if cfg.recompute_old_logprobs:
-        for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
-          mb["old_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
-      times["old_logprob"] = time.perf_counter() - t0
-
-      t0 = time.perf_counter()
-      for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):
-        mb["ref_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
-      times["ref_logprob"] = time.perf_counter() - t0
-
       # group advantages of the step rows (padded to a power of two): each row's reward, scored
       # against its group's statistics over the rows in stat_rows
       t0 = time.perf_counter()
@@ -912,14 +904,28 @@ class Trainer:
       m.update(_stats(after, "adv_after"))
       m["adv_frac_changed"] = float(np.mean(np.abs(after - before) > 1e-6))
 
+      # old log-probs (the sampler's, or recomputed under the current params) and the reference's,
+      # only for an update: with every advantage 0 the loss would be KL alone, and an update would
+      # move the policy (Adam makes a full step of any gradient, weight decay too) on no evidence
+      # at all, so none is taken.
+      learn = bool(np.any(after != 0))
+      t0 = time.perf_counter()
+      if learn and cfg.recompute_old_logprobs:
+        for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
+          mb["old_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
+      times["old_logprob"] = time.perf_counter() - t0
+
+      t0 = time.perf_counter()
+      for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs) if learn else ()):
+        mb["ref_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
+      times["ref_logprob"] = time.perf_counter() - t0
+
       # PPO-clip updates over shuffled mini-batches
       t0 = time.perf_counter()
       # Kept for inspection (tests, debugging): what this iteration trained on.
       self.last_minibatches, self.last_step_adv = mbs, step_adv
       self.last_advantages = (before, after)
-      # With every advantage 0 the loss is KL alone; an update would move the policy (Adam makes
-      # a full step of any gradient, weight decay too) on no evidence at all, so none is taken.
-      upd = self._update(mbs, step_adv, k_shuffle) if np.any(after != 0) else self._no_update()
+      upd = self._update(mbs, step_adv, k_shuffle) if learn else self._no_update()
       times["update"] = time.perf_counter() - t0
     m.update(upd)
     m["skipped_updates_total"] = self.skipped_updates_total
