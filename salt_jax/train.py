@@ -355,7 +355,7 @@ def _token_ids(*token_lists) -> np.ndarray:
   """An int per step, equal iff the steps' token sequences are all equal (`token_lists` are
   parallel lists of int arrays: prompts alone, or prompts and responses)."""
   seen: dict = {}
-  return np.array([seen.setdefault(b"|".join(np.asarray(t, np.int32).tobytes() for t in ts),
+  return np.array([seen.setdefault(tuple(np.asarray(t, np.int32).tobytes() for t in ts),
                                    len(seen)) for ts in zip(*token_lists)], np.int32)
 
 

@@ -148,3 +148,11 @@ def test_script_recipe_flag_sets_the_recipe_and_explicit_flags_win():
               4, 2, "step", 10.0, "step", "format", "steps", 50)
   with pytest.raises(SystemExit, match="unknown --recipe"):
     script._recipe("paper")  # pylint: disable=protected-access
+
+
+def test_token_ids_equal_iff_every_sequence_is():
+  from salt_jax.train import _token_ids  # pylint: disable=import-outside-toplevel
+  prompts = [np.array([1, 2]), np.array([1]), np.array([1, 2]), np.array([1, 2])]
+  responses = [np.array([3]), np.array([2, 3]), np.array([3]), np.array([4])]
+  np.testing.assert_array_equal(_token_ids(prompts, responses), [0, 1, 0, 2])
+  np.testing.assert_array_equal(_token_ids(prompts), [0, 1, 0, 0])
