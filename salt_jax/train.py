@@ -76,6 +76,10 @@ ENV_EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "textworld": ("he
 PARAM_DTYPES = ("float32", "bfloat16")
 ENV_TRAIN_SPLIT = {"alfworld": "valid_train", "textworld": "train", "toy": "train"}
 
+# SALT's metrics in an iteration without merges (SALT off, or no step to merge).
+NO_MERGE_METRICS = dict(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
+                        merged_steps=0, gradient_changing_share=float("nan"))
+
 # The default small policy: Qwen2 architecture, random init, the tokenizer's vocabulary.
 TINY_POLICY = dict(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -854,9 +858,7 @@ class Trainer:
     upd = {}
     if nsteps == 0:  # every trajectory failed: nothing to learn from
       times.update(old_logprob=0.0, ref_logprob=0.0, advantage=0.0, salt=0.0, update=0.0)
-      m.update(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
-               merged_steps=0, gradient_changing_share=float("nan"),
-               skipped_groups=cfg.tasks_per_iter)
+      m.update(NO_MERGE_METRICS, skipped_groups=cfg.tasks_per_iter)
     else:
       tb = batching.from_rollout(batch, cfg.layout, pad_id=self.pad_id,
                                  min_length=cfg.min_seq_len, row_multiple=self.rows)
@@ -896,8 +898,7 @@ class Trainer:
         m["gradient_changing_share"] = (m["gradient_changing_merges"] / m["merged_steps"]
                                         if m["merged_steps"] else float("nan"))
       else:
-        m.update(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
-                 merged_steps=0, gradient_changing_share=float("nan"))
+        m.update(NO_MERGE_METRICS)
       times["salt"] = time.perf_counter() - t0
       after = multihost.to_host(step_adv)[:nsteps]
       m.update(_stats(before, "adv_before"))
