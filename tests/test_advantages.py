@@ -156,3 +156,18 @@ def test_jit_and_sharded_equal_unsharded():
     out = jitted(jax.device_put(r, sh), jax.device_put(g, sh), 8)
     np.testing.assert_allclose(out, plain, rtol=1e-6, atol=1e-6)
     assert out.sharding.spec == sh.spec
+
+
+def test_stat_mask_scores_every_member_against_the_masked_statistics():
+  r = np.array([1.0, 0.0, 5.0, 3.0], np.float32)
+  g = np.zeros(4, np.int32)
+  stat = np.array([True, True, False, False])
+  # Statistics of {1, 0}: mean 0.5, std sqrt(0.5); members 5 and 3 are scored against them.
+  want = (r - 0.5) / (np.sqrt(0.5) + 1e-6)
+  np.testing.assert_allclose(salt_jax.grpo_advantages(r, g, 1, stat_mask=stat), want, rtol=1e-5)
+  np.testing.assert_allclose(salt_jax.rloo_advantages(r, g, 1, stat_mask=stat),
+                             (2 * r - 1.0) / 1.0, rtol=1e-6)
+  # A group without statistics members has no baseline: 0.
+  assert np.all(np.asarray(salt_jax.grpo_advantages(r, g, 1, stat_mask=np.zeros(4, bool))) == 0)
+  with pytest.raises(ValueError, match="stat_mask"):
+    salt_jax.grpo_advantages(r, g, 1, stat_mask=np.ones(3, bool))
