@@ -132,6 +132,10 @@ class AdmissibleCommandEnv(TextEnv):
   def _play(self, command: str) -> tuple[str, bool, bool]:
     """Plays an admissible command in the engine: (observation, won, lost)."""
 
+  def _unknown_command_observation(self) -> str:
+    """The answer to a command that is not admissible (ALFWorld's; WebShop re-shows its page)."""
+    return NOTHING_HAPPENS
+
   def _after_play(self, command: str, observation: str) -> None:
     """Called after each valid step, once `_done` is updated (e.g. to advance an expert)."""
 
@@ -145,7 +149,7 @@ class AdmissibleCommandEnv(TextEnv):
     command = self._admissible.match(action)
     self._t += 1
     if command is None:
-      observation, won, lost = NOTHING_HAPPENS, False, False
+      observation, won, lost = self._unknown_command_observation(), False, False
     else:
       observation, won, lost = self._play(command)
     self._won = won

@@ -3,6 +3,7 @@
   make_env("alfworld", expert=True)          -> envs.alfworld.AlfWorldEnv
   make_env("textworld", quest_length=6)      -> envs.textworld_games.TextWorldEnv
   make_env("toy", num_rooms=5)               -> envs.toy.ToyEnv
+  make_env("webshop", human_goals=True)      -> envs.webshop.WebShopEnv
   task_list("alfworld", "valid_unseen")      -> the tasks of a split
 
 Modules are imported on first use: a worker that plays the toy env never imports alfworld. Task
@@ -39,6 +40,7 @@ _REGISTRY = {
     "alfworld": ("envs.alfworld:AlfWorldEnv", "envs.alfworld:alfworld_tasks"),
     "textworld": ("envs.textworld_games:TextWorldEnv", "envs.textworld_games:textworld_tasks"),
     "toy": ("envs.toy:ToyEnv", "envs.toy:toy_tasks"),
+    "webshop": ("envs.webshop:WebShopEnv", "envs.webshop:webshop_tasks"),
 }
 
 
@@ -66,7 +68,7 @@ def task_list(name: str, split: str, **kwargs: Any) -> list[Task]:
   """The tasks of `split` for family `name`.
 
   Splits: alfworld valid_train / valid_seen / valid_unseen (or any folder of `$ALFWORLD_DATA`);
-  textworld train / heldout; toy any name. Keyword arguments the task function does not take are
+  textworld train / heldout; toy any name; webshop train / test. Keyword arguments the task function does not take are
   dropped (they are the env's, e.g. `max_steps`), except that the task function's own must match.
   """
   fn = _load(_entry(name)[1])

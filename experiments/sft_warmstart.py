@@ -37,7 +37,7 @@ def warm_start(cfg, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
 
   from envs.registry import make_env, task_list
   from salt_jax import sft, train
-  from salt_jax.agent.prompts import PromptConfig
+  from salt_jax.agent.prompts import env_prompt_config
   from salt_jax.sharding import make_mesh
 
   t0 = time.perf_counter()
@@ -67,7 +67,8 @@ def warm_start(cfg, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
         flush=True)
   pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
   batch = sft.demo_token_batch(demos, tok, pad_id=pad,
-                               prompt_config=PromptConfig(history_window=cfg.history_window),
+                               prompt_config=env_prompt_config(cfg.env,
+                                                               history_window=cfg.history_window),
                                layout=cfg.layout, min_length=cfg.min_seq_len,
                                max_length=cfg.max_cache_len)
   before = sft.nll(model, batch)
@@ -85,7 +86,7 @@ def warm_start(cfg, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--env", default="toy", help="toy, alfworld or textworld")
+  p.add_argument("--env", default="toy", help="toy, alfworld, textworld or webshop")
   p.add_argument("--mesh", default="1x1")
   p.add_argument("--tokenizer", default=None, help="default: toy for toy, else qwen25")
   p.add_argument("--model", default=None, help="a local Hugging Face folder (default: tiny policy)")

@@ -61,7 +61,7 @@ from salt_jax import batching
 from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
 from salt_jax import multihost
-from salt_jax.agent.prompts import PromptConfig
+from salt_jax.agent.prompts import env_prompt_config
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
 from salt_jax.loss import aggregate
 from salt_jax.recipes import RECIPES
@@ -72,9 +72,10 @@ ALGOS = ("grpo", "rloo", "drgrpo")
 SCHEDULES = ("constant", "cosine")
 LAYOUTS = ("trajectory", "step")
 ENV_EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "textworld": ("heldout",),
-                   "toy": ("eval",)}
+                   "toy": ("eval",), "webshop": ("test",)}
 PARAM_DTYPES = ("float32", "bfloat16")
-ENV_TRAIN_SPLIT = {"alfworld": "valid_train", "textworld": "train", "toy": "train"}
+ENV_TRAIN_SPLIT = {"alfworld": "valid_train", "textworld": "train", "toy": "train",
+                   "webshop": "train"}
 
 # SALT's metrics in an iteration without merges (SALT off, or no step to merge).
 NO_MERGE_METRICS = dict(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
@@ -89,7 +90,7 @@ TINY_POLICY = dict(hidden_size=64, intermediate_size=256, num_layers=2, num_head
 class TrainConfig:
   """Everything one run needs; `validate()` checks it before any work.
 
-  Environment: env ('alfworld', 'textworld', 'toy'), env_kwargs, train_split / eval_splits
+  Environment: env ('alfworld', 'textworld', 'toy', 'webshop'), env_kwargs, train_split / eval_splits
     (None: the env's defaults), num_train_tasks (None: all), num_eval_tasks, eval_every (0: off),
     env_workers (0: in-process), max_steps.
   Policy: model (a local Hugging Face folder; None: the tiny random Qwen2 `TINY_POLICY`),
@@ -543,7 +544,7 @@ class Trainer:
     if cfg.salt and cfg.embedder not in (None, "none"):
       from salt_jax.embedders import SentenceEmbedder
       self.embedder = SentenceEmbedder(None if cfg.embedder == "minilm" else cfg.embedder)
-    self.prompt_config = PromptConfig(history_window=cfg.history_window)
+    self.prompt_config = env_prompt_config(cfg.env, history_window=cfg.history_window)
     self.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                    stop_strings=("</action>",))
     self.data_size = int(self.mesh.shape[DATA_AXIS])

@@ -7,8 +7,10 @@ collapsed and stripped. verl-agent's `alfworld_projection` does the same with th
 the last pair is what a model that talks about tags while thinking means.
 
 A step is invalid when the tags are missing, the action is empty or longer than
-`max_action_chars`, or (given an admissible list) the action is not in it. Nothing here raises on
-any `str`: an unparseable output is an invalid step, never an error.
+`max_action_chars`, or (given an admissible list) the action is not in it. An admissible entry
+that is a template, `verb[<placeholder>]` (WebShop's `search[<your query>]`), admits every
+`verb[text]` with non-blank text. Nothing here raises on any `str`: an unparseable output is an
+invalid step, never an error.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ParsedAction:
 # Control characters (Unicode category Cc: U+0000-001F, U+007F-009F) become spaces.
 _CONTROL_TO_SPACE = {c: " " for c in [*range(0x20), *range(0x7F, 0xA0)]}
 _SURROGATES = re.compile("[\ud800-\udfff]")
+_TEMPLATE = re.compile(r"(.+)\[<[^\]]*>\]")  # "search[<your query>]": any search[...] is admissible
 
 
 def normalize_action(text: str) -> str:
@@ -85,6 +88,20 @@ def parse_action(text: str, admissible: Optional[Iterable[str]] = None, *,
     return ParsedAction("", False, EMPTY)
   if len(action) > max_action_chars:
     return ParsedAction(action[:max_action_chars].strip(), False, TOO_LONG)
-  if admissible is not None and action not in {normalize_action(str(a)) for a in admissible}:
+  if admissible is not None and not is_admissible(action, admissible):
     return ParsedAction(action, False, NOT_ADMISSIBLE)
   return ParsedAction(action, True, OK)
+
+
+def is_admissible(action: str, admissible: Iterable[str]) -> bool:
+  """Whether the normalized `action` is one of `admissible` (normalized alike) or fills one of its
+  `verb[<placeholder>]` templates with non-blank text."""
+  for a in admissible:
+    a = normalize_action(str(a))
+    if action == a:
+      return True
+    m = _TEMPLATE.fullmatch(a)
+    if (m and action.startswith(m.group(1) + "[") and action.endswith("]")
+        and action[len(m.group(1)) + 1:-1].strip()):
+      return True
+  return False

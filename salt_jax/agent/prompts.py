@@ -19,6 +19,13 @@ Two modes (`PromptConfig.history_window`):
 
 Every prompt asks for reasoning inside <think>...</think>, then the action inside
 <action>...</action>.
+
+An environment whose first observation is a whole page holding the task (WebShop) sets an
+`observation_view` (`env_prompt_config`): the task is taken out of the first page and shown once as
+"Your task: ...", and every page is shown without its repeated instruction header. That is
+verl-agent's WebShop prompt in this project's words: the task; the steps taken and the last k
+(observation, action) pairs; the current step and page; the available actions; the format
+instruction.
 """
 
 from __future__ import annotations
@@ -43,7 +50,35 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
+WEBSHOP_INSTRUCTION = (
+    "You are an expert autonomous agent shopping in the WebShop e-commerce environment. Each turn "
+    "you see the current web page, its texts separated by [SEP], and the actions available on it; "
+    "search[...] takes any query. Choose the action that best advances the shopping goal.")
+
 _MARK = "\u2063MARK\u2063"  # a probe assistant message that no template rewrites
+_SEP = " [SEP] "
+
+
+def webshop_view(first_observation: str, observation: str) -> tuple[str, str]:
+  """(task, page) of a WebShop text observation, as verl-agent's WebShop manager shows them.
+
+  The task is the text after "Instruction:" in the first page; the page is what follows the task,
+  each text quoted ("'Back to Search' [SEP] 'Page 1 (Total results: 50)' ..."). A page that does
+  not hold the task (the page after buying) is shown as it is. A first page without an
+  "Instruction:" text is its own task.
+  """
+  parts = first_observation.split(_SEP)
+  task = (parts[parts.index("Instruction:") + 1] if "Instruction:" in parts[:-1]
+          else first_observation)
+  page = observation.split(_SEP)
+  if task not in page:
+    return task, observation
+  return task, _SEP.join(f"'{p}'" for p in page[page.index(task) + 1:])
+
+
+OBSERVATION_VIEWS = {"webshop": webshop_view}
+# Environments whose prompts differ from the defaults: PromptConfig fields by env name.
+ENV_PROMPTS = {"webshop": dict(instruction=WEBSHOP_INSTRUCTION, observation_view="webshop")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +91,8 @@ class PromptConfig:
   instruction: opens the first user turn (windowed: every prompt).
   format_instruction: the <think>/<action> instruction, in the first user turn (windowed: every).
   show_admissible: list the admissible actions in every user turn.
+  observation_view: None, or a key of `OBSERVATION_VIEWS` ("webshop"): the task is taken out of
+    the first observation and each observation is shown through the view.
   """
 
   history_window: Optional[int] = None
@@ -63,12 +100,21 @@ class PromptConfig:
   instruction: str = DEFAULT_INSTRUCTION
   format_instruction: str = FORMAT_INSTRUCTION
   show_admissible: bool = True
+  observation_view: Optional[str] = None
 
   def __post_init__(self):
+    if self.observation_view is not None and self.observation_view not in OBSERVATION_VIEWS:
+      raise ValueError(f"observation_view must be None or one of {sorted(OBSERVATION_VIEWS)}, "
+                       f"got {self.observation_view!r}")
     if self.history_window is not None and (
         isinstance(self.history_window, bool) or not isinstance(self.history_window, int)
         or self.history_window < 0):
       raise ValueError(f"history_window must be None or an int >= 0, got {self.history_window!r}")
+
+
+def env_prompt_config(env: str, **fields) -> PromptConfig:
+  """The prompt config for environment `env`: its `ENV_PROMPTS` entry (if any), then `fields`."""
+  return PromptConfig(**{**ENV_PROMPTS.get(env, {}), **fields})
 
 
 def admissible_text(admissible: Optional[Sequence[str]]) -> str:
@@ -79,9 +125,10 @@ def admissible_text(admissible: Optional[Sequence[str]]) -> str:
   return "Admissible actions: " + ", ".join(f"'{a}'" for a in acts) + "."
 
 
-def first_turn_text(observation: str, admissible, config: PromptConfig) -> str:
-  """The first user message of a whole-history conversation."""
-  parts = [config.instruction, "Observation: " + observation]
+def first_turn_text(observation: str, admissible, config: PromptConfig,
+                    task: Optional[str] = None) -> str:
+  """The first user message of a whole-history conversation (with "Your task: " when given)."""
+  parts = [config.instruction, task and "Your task: " + task, "Observation: " + observation]
   if config.show_admissible:
     parts.append(admissible_text(admissible))
   parts.append(config.format_instruction)
@@ -128,13 +175,16 @@ class Conversation:
 
   def __init__(self, prompter: "Prompter", observation: str, admissible):
     self._p = prompter
-    self.task_observation = observation
-    self.observation = observation
-    self.history: list[tuple[str, str]] = []
     cfg = prompter.config
+    self._view = OBSERVATION_VIEWS.get(cfg.observation_view)
+    self._first = observation
+    self.task_observation, self.observation = (self._view(observation, observation) if self._view
+                                               else (observation, observation))
+    self.history: list[tuple[str, str]] = []
     if cfg.history_window is None:
-      self.prompt_ids = prompter.render([prompter.user(first_turn_text(observation, admissible,
-                                                                       cfg))])
+      task = self.task_observation if self._view else None
+      self.prompt_ids = prompter.render([prompter.user(first_turn_text(
+          self.observation, admissible, cfg, task))])
     else:
       self.prompt_ids = self._window(admissible)
 
@@ -146,6 +196,8 @@ class Conversation:
   def advance(self, response_ids: Sequence[int], action: str, observation: str,
               admissible) -> None:
     """Appends one step: the response as sampled, the action played, the env's reply."""
+    if self._view:
+      observation = self._view(self._first, observation)[1]
     self.history.append((self.observation, action))
     self.observation = observation
     if self._p.config.history_window is not None:
