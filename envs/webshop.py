@@ -14,25 +14,26 @@ instruction; verl-agent's `human_goals: False`) or human ones (`human_goals=True
 WebShop's `random.seed(233)`, so goal i is WebShop's goal i. Split as verl-agent: goals 0-499 are
 "test", the rest "train"; a catalog with at most 2,500 goals (the fixture) keeps its first fifth for
 "test" instead. WebShop draws prices and price caps from the unseeded global `random`; here they
-come from `random.Random(price_seed)`, so they are reproducible (and differ from any one WebShop run).
+come from `random.Random(price_seed)`: reproducible (and different from any one WebShop run).
 
 Pages and actions are WebShop's: the search page; results, 10 a page, ranked by BM25 (`bm25s`,
 Lucene's k1 = 0.9, b = 0.4 and IDF, Lucene's English stop words, the Porter stemmer) over the text
 WebShop indexes (title, description, first bullet point, options), at most 50 hits; item pages with
 their option buttons; the Description / Features / Reviews sub-pages; `search[query]` and
 `click[button]`; `click[buy now]` ends the episode with WebShop's score (`envs.webshop_reward`).
-Observations are WebShop's `observation_mode='text'` ("simple"): the page's visible texts joined by
-" [SEP] ". Available actions are verl-agent's list: `search[<your query>]` where the page has a search
-bar, then `click[x]` for every clickable. As in WebShop, a search typed on a page without a search bar
-is played too; `click[search]` is listed but does nothing. An action WebShop ignores is an invalid
-step that re-shows the page. The page after buying shows only the thank-you line and the score
-(WebShop's done page also prints hidden debugging fields).
+Observations are WebShop's `observation_mode='text'` ("simple"): the page's visible texts joined
+by " [SEP] ". Available actions are verl-agent's list: `search[<your query>]` where the page has a
+search bar, then `click[x]` for every clickable. As in WebShop, a search typed on a page without a
+search bar is played too, a blank query finds nothing, and `click[search]` is listed but does
+nothing. An action WebShop ignores is an invalid step that re-shows the page. The page after buying shows only the
+thank-you line and the score (WebShop's done page also prints hidden debugging fields).
 
 Reward: `reward="won"` (default, verl-agent's): 1.0 for a perfect purchase (score 1.0), else 0.0;
 `reward="score"`: WebShop's score. `won` is score == 1.0 either way; `last_score` holds the score.
 Episodes end on buying or after `max_steps` (15, verl-agent's WebShop runs).
 
-CLI (the scripted expert: searches the goal product's title, opens it, picks the goal's options, buys):
+CLI (the scripted expert: searches the goal product's title, opens it, picks the goal's options,
+buys):
   python -m envs.webshop --expert --num-tasks 20
 """
 
@@ -94,9 +95,13 @@ def parse_pricing(pricing: Any) -> tuple[list[float], str]:
   """WebShop's price parsing: ("$12.99" or "$10.00 - $20.00" or empty) -> (prices, price tag)."""
   if not pricing:
     return [100.0], "$100.0"
-  prices = [float(decimal.Decimal(re.sub(r"[^\d.]", "", p))) for p in str(pricing).split("$")[1:]]
+  try:
+    prices = [float(decimal.Decimal(re.sub(r"[^\d.]", "", p)))
+              for p in str(pricing).split("$")[1:]]
+  except decimal.InvalidOperation:
+    prices = []
   if not prices:
-    raise ValueError(f"unparseable pricing {pricing!r}")
+    raise ValueError(f"unparseable pricing {pricing!r} (expected '$12.99' or '$10.00 - $20.00')")
   if len(prices) == 1:
     return prices, f"${prices[0]}"
   return prices[:2], f"${prices[0]} to ${prices[1]}"
@@ -226,15 +231,20 @@ class SearchEngine:
     self._stem = Stemmer.Stemmer("porter").stemWords
     self.asins = [p["asin"] for p in products]
     self._bm25 = bm25s.BM25(k1=0.9, b=0.4, method="lucene")
-    self._bm25.index([self.tokens(search_document(p)) for p in products], show_progress=False)
+    self._bm25.index([self.tokens(search_document(p)) or ["_"] for p in products],
+                     show_progress=False)
 
   def tokens(self, text: str) -> list[str]:
+    """The index terms of `text` (possibly none)."""
     words = re.findall(r"\w+", re.sub(r"'s\b", "", str(text).lower()))
-    return self._stem([w for w in words if w not in LUCENE_STOPWORDS]) or [""]
+    return self._stem([w for w in words if w not in LUCENE_STOPWORDS])
 
   def search(self, query: str, k: int = SEARCH_RETURN_N) -> list[str]:
     """The asins of the (at most k) products matching `query`, best first; [] for no match."""
-    scores = self._bm25.get_scores(self.tokens(query))
+    terms = [t for t in self.tokens(query) if t in self._bm25.vocab_dict]
+    if not terms:
+      return []
+    scores = self._bm25.get_scores(terms)
     order = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: (-scores[i], i))
     return [self.asins[i] for i in order[:k]]
 
@@ -414,7 +424,7 @@ class _WebShopIndex:
 
   def match(self, action: Any) -> Optional[str]:
     name, arg = parse_webshop_action(action)
-    if name == "search" and arg is not None and arg.strip():
+    if name == "search" and arg is not None:  # any text, a blank one too (it finds nothing)
       return f"search[{arg}]"
     if name == "click" and arg in self.page.clickables and arg != "search":
       return f"click[{arg}]"

@@ -103,8 +103,9 @@ class SpacyNouns:
 def type_reward(product: dict, goal: dict, nouns: Callable[[str], list[str]]) -> dict:
   """WebShop's `get_type_reward`: r_type with query_match, category_match and title_score."""
   query_match = product["query"] == goal["query"]
-  levels = lambda c: {x.strip() for x in c.split("›")}  # pylint: disable=unnecessary-lambda-assignment
-  category_match = len(levels(product["product_category"]) & levels(goal["product_category"])) >= 2
+  levels = [{x.strip() for x in c.split("›")} for c in (product["product_category"],
+                                                         goal["product_category"])]
+  category_match = len(levels[0] & levels[1]) >= 2
   bought, wanted = nouns(product["name"]), nouns(goal["name"])
   title_score = len(set(bought) & set(wanted)) / len(wanted) if wanted else 0.2
   r_type = 1.0
@@ -127,8 +128,8 @@ def attribute_matches(product: dict, goal_attributes: Sequence[str]) -> int:
   """WebShop's `get_attribute_reward` count: goal attributes found (fuzzily or in the text)."""
   n = 0
   for g in goal_attributes:
-    if any(token_set_ratio(p, g) > FUZZ_THRESHOLD for p in product["Attributes"]) or _in_text(g,
-                                                                                             product):
+    fuzzy = any(token_set_ratio(p, g) > FUZZ_THRESHOLD for p in product["Attributes"])
+    if fuzzy or _in_text(g, product):
       n += 1
   return n
 
@@ -180,5 +181,6 @@ def purchase_reward(product: dict, goal: dict, price: float, options: dict,
               category_match=t["category_match"], title_score=t["title_score"],
               r_price=bool(r_price), w_price=1 / total)
   if goal["goal_options"]:
-    info.update(r_option=n_opt / len(goal["goal_options"]), w_option=len(goal["goal_options"]) / total)
+    info.update(r_option=n_opt / len(goal["goal_options"]),
+                w_option=len(goal["goal_options"]) / total)
   return score, info

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from envs.toy import ToyEnv, toy_tasks
-from salt_jax.agent.parsing import ParsedAction, normalize_action, parse_action
+from salt_jax.agent.parsing import ParsedAction, is_admissible, normalize_action, parse_action
 
 
 def _reference(text, admissible=None, max_chars=200):
@@ -65,6 +65,17 @@ def test_without_admissible_any_nonempty_action_is_valid():
 
 def test_admissible_are_normalized():
   assert parse_action("<action>go to kitchen</action>", ["  GO to\tkitchen "]).valid
+
+
+def test_templates_admit_any_filled_argument():
+  adm = ["search[<your query>]", "click[buy now]"]
+  assert parse_action("<action>Search[Red  Shoes]</action>", adm) == ParsedAction(
+      "search[red shoes]", True, "ok")
+  assert parse_action("<action>search[ ]</action>", adm).valid  # WebShop searches for any text
+  for bad in ("search[]", "search", "searching[x]", "search[x", "click[sell]"):
+    assert parse_action(f"<action>{bad}</action>", adm).reason == "not_admissible", bad
+  assert is_admissible("click[buy now]", adm) and not is_admissible("click[buy now]", [])
+  assert not is_admissible("search[x]", ["search[x]y"])  # not a template: only itself
 
 
 def test_normalize_action():

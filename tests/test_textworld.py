@@ -154,7 +154,7 @@ def test_capitalized_admissible_commands_match_lowercased_actions(env):
 
 
 def test_registry_makes_envs_and_task_lists():
-  assert set(registry.names()) >= {"alfworld", "textworld", "toy"}
+  assert set(registry.names()) >= {"alfworld", "textworld", "toy", "webshop"}
   tw = registry.make_env("textworld", max_steps=30, quest_length=5)
   assert isinstance(tw, twg.TextWorldEnv) and tw.max_steps == 30
   tasks = registry.task_list("textworld", "train", num_tasks=2, max_steps=30, expert=True)
@@ -163,7 +163,7 @@ def test_registry_makes_envs_and_task_lists():
   toy_tasks = registry.task_list("toy", "train", num_tasks=3, max_steps=7)
   assert len(toy_tasks) == 3 and "task" in toy.reset(toy_tasks[0]).observation.lower()
   with pytest.raises(ValueError):
-    registry.make_env("webshop")
+    registry.make_env("no-such-env")
 
 
 def test_env_spec_is_picklable_and_builds_in_place():

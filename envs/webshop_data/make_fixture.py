@@ -62,7 +62,8 @@ TYPES = {
         ("running shoes", "Clothing, Shoes & Jewelry › Men › Shoes › Athletic › Running",
          "Running Shoes", ["lightweight", "breathable", "non slip", "arch support"],
          ["color", "size"]),
-        ("t-shirt", "Clothing, Shoes & Jewelry › Women › Clothing › Tops, Tees & Blouses › T-Shirts",
+        ("t-shirt",
+         "Clothing, Shoes & Jewelry › Women › Clothing › Tops, Tees & Blouses › T-Shirts",
          "Cotton T-Shirt", ["short sleeve", "machine wash", "soft cotton", "relaxed fit"],
          ["color", "size"]),
         ("winter jacket", "Clothing, Shoes & Jewelry › Men › Clothing › Jackets & Coats",
@@ -112,8 +113,9 @@ def _options(rng: random.Random, names: list, asin: str) -> dict:
   for name in names:
     k = 3 if name == "color" else 2
     values = rng.sample(OPTION_VALUES[name], k)
-    out[name.capitalize()] = [{"value": v.title(), "image": f"https://example.invalid/{asin}/{i}.jpg"}
-                              for i, v in enumerate(values)]
+    out[name.capitalize()] = [
+        {"value": v.title(), "image": f"https://example.invalid/{asin}/{i}.jpg"}
+        for i, v in enumerate(values)]
   return out
 
 

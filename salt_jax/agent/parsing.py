@@ -9,7 +9,7 @@ the last pair is what a model that talks about tags while thinking means.
 A step is invalid when the tags are missing, the action is empty or longer than
 `max_action_chars`, or (given an admissible list) the action is not in it. An admissible entry
 that is a template, `verb[<placeholder>]` (WebShop's `search[<your query>]`), admits every
-`verb[text]` with non-blank text. Nothing here raises on any `str`: an unparseable output is an
+`verb[text]` with non-empty text. Nothing here raises on any `str`: an unparseable output is an
 invalid step, never an error.
 """
 
@@ -95,13 +95,13 @@ def parse_action(text: str, admissible: Optional[Iterable[str]] = None, *,
 
 def is_admissible(action: str, admissible: Iterable[str]) -> bool:
   """Whether the normalized `action` is one of `admissible` (normalized alike) or fills one of its
-  `verb[<placeholder>]` templates with non-blank text."""
+  `verb[<placeholder>]` templates with non-empty text (WebShop searches for any)."""
   for a in admissible:
     a = normalize_action(str(a))
     if action == a:
       return True
     m = _TEMPLATE.fullmatch(a)
     if (m and action.startswith(m.group(1) + "[") and action.endswith("]")
-        and action[len(m.group(1)) + 1:-1].strip()):
+        and len(action) > len(m.group(1)) + 2):
       return True
   return False

@@ -1,0 +1,1 @@
+"""The WebShop fixture catalog (fixture/) and the script that writes it (make_fixture.py)."""
