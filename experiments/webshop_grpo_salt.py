@@ -16,11 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from alfworld_grpo_salt import main  # noqa: E402  (the shared CLI; imports no jax)
-
-CPU_DEFAULTS = dict(group_size=4, tasks_per_iter=2, iters=3, max_steps=8, max_new_tokens=32,
-                    max_cache_len=4096, lr=1e-5, env_workers=1, minibatch_rows=4,
-                    num_eval_tasks=4, num_train_tasks=16, out="runs/webshop_grpo_salt",
-                    sft_demos=16, sft_steps=100)
+import textworld_grpo_salt  # noqa: E402  (its CPU-sized defaults suit WebShop's short episodes)
 
 if __name__ == "__main__":
-  sys.exit(main("webshop", CPU_DEFAULTS))
+  sys.exit(main("webshop", dict(textworld_grpo_salt.CPU_DEFAULTS, out="runs/webshop_grpo_salt")))

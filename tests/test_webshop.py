@@ -12,13 +12,14 @@ import pytest
 pytest.importorskip("bm25s")
 pytest.importorskip("thefuzz")
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # pylint: disable=wrong-import-position
+from hypothesis import HealthCheck, given, settings  # pylint: disable=wrong-import-position
 
 from envs import registry  # pylint: disable=wrong-import-position
 from envs import webshop as ws  # pylint: disable=wrong-import-position
 from envs import webshop_reward as wr  # pylint: disable=wrong-import-position
 from envs.base import EPISODE_OVER, Task  # pylint: disable=wrong-import-position
 from envs.webshop_data import make_fixture  # pylint: disable=wrong-import-position
+from tests.env_fuzz import check_junk_step, junk_actions  # pylint: disable=wrong-import-position
 
 WORDS = lambda text: text.lower().split()  # a tagger whose nouns are all words: hand-countable
 
@@ -125,6 +126,32 @@ def test_reward_refuses_goals_webshop_never_makes():
     wr.purchase_reward(_product(), _goal(attributes=[]), 1.0, {})
   with pytest.raises(ValueError, match="price_upper"):
     wr.purchase_reward(_product(), _goal(price_upper=0), 1.0, {})
+
+
+def test_spacy_nouns_take_a_pipelines_noun_tags(tmp_path):
+  spacy = pytest.importorskip("spacy")
+  spacy.blank("en").to_disk(tmp_path / "blank")  # no tagger: no token is a NOUN
+  nouns = wr.SpacyNouns(str(tmp_path / "blank"))
+  assert nouns("Red Running Shoes") == [] and nouns.name.startswith("spacy:")
+  with pytest.raises(OSError):
+    wr.SpacyNouns("no_such_pipeline")
+  with pytest.raises(OSError):
+    ws.WebShopEnv(spacy_model="no_such_pipeline")
+
+
+def test_tagger_comparison_counts_type_changes(catalog):
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "webshop_nouns", ws.FIXTURE_DIR.parents[2] / "experiments" / "webshop_nouns.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  small = ws.Catalog(catalog.root, catalog.products[:12], catalog.by_asin, catalog.prices,
+                     catalog.goals[:10], False)
+  same = mod.compare(small, wr.HeuristicNouns(), wr.HeuristicNouns())
+  assert same == dict(pairs=120, type_differs=0, type_differs_share=0.0,
+                      mean_abs_score_change=0.0, max_abs_score_change=0.0)
+  none = mod.compare(small, wr.HeuristicNouns(), lambda text: [], lower=True)
+  assert none["type_differs"] > 0 and 0 < none["mean_abs_score_change"] <= 1
 
 
 def test_heuristic_nouns_drop_closed_class_words():
@@ -350,26 +377,13 @@ def test_episode_ends_after_max_steps():
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(junk=st.one_of(st.text(max_size=60), st.binary(max_size=40),
-                      st.text(min_size=600, max_size=2000),
-                      st.sampled_from(["", "click", "click[", "click[]]", "search", "[x]",
-                                       "<action>click[buy now]</action>", "x" * 10_000, None,
-                                       3.5, "\udcff\ud800", "ünïcödé 日本語 🙂"])))
+@given(junk=junk_actions("click", "click[", "click[]]", "search", "[x]", "\udcff\ud800",
+                         "<action>click[buy now]</action>", "ünïcödé 日本語 🙂"))
 def test_malformed_actions_are_invalid_steps(env, junk):
-  env.max_steps = 10**9
-  try:
-    if env.task is None or env._done:  # pylint: disable=protected-access
-      env.reset(ws.webshop_tasks("test")[1])
-    before, adm = env.page.observation(), env._admissible.commands  # pylint: disable=protected-access
-    step = env.step(junk)
-    name, arg = ws.parse_webshop_action(junk)
-    if step.valid:  # hypothesis can hit a real action; then it must be one
-      assert name == "search" or f"click[{arg}]" in adm
-    else:
-      assert step.observation == before and step.reward == 0.0 and not step.done
-      assert step.admissible_actions == adm
-  finally:
-    env.max_steps = 15
+  def real(j, adm):  # a search, or a listed click
+    name, arg = ws.parse_webshop_action(j)
+    return name == "search" or f"click[{arg}]" in adm
+  check_junk_step(env, ws.webshop_tasks("test")[1], junk, real, lambda: env.page.observation())
 
 
 def test_expert_buys_the_goal_product(capsys):
