@@ -421,13 +421,15 @@ class _WebShopIndex:
   def __init__(self, page: Page):
     self.page = page
     self.commands = page.available_actions()
+    # Actions arrive whitespace-collapsed: so are the keys they are looked up by.
+    self._clickable = {normalize_action(k): k for k in page.clickables}
 
   def match(self, action: Any) -> Optional[str]:
     name, arg = parse_webshop_action(action)
     if name == "search" and arg is not None:  # any text, a blank one too (it finds nothing)
       return f"search[{arg}]"
-    if name == "click" and arg in self.page.clickables and arg != "search":
-      return f"click[{arg}]"
+    if name == "click" and arg in self._clickable and arg != "search":
+      return f"click[{self._clickable[arg]}]"
     return None
 
 
@@ -494,7 +496,7 @@ class WebShopEnv(AdmissibleCommandEnv):
     return self.page.observation()  # WebShop leaves the page as it is
 
   def _play(self, command: str) -> tuple[str, bool, bool]:
-    name, arg = parse_webshop_action(command)
+    name, arg = _ACTION.match(command).groups()  # the index's canonical command
     s = self.session
     if name == "search":
       self._search(arg.split(" "))

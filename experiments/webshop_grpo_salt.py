@@ -2,7 +2,8 @@
 WebShop's own data files in the folder `$WEBSHOP_DATA` points to.
 
   python experiments/webshop_grpo_salt.py                 # CPU-sized defaults, shows progress
-  python experiments/webshop_grpo_salt.py --recipe verl-agent --model ~/Qwen2.5-1.5B-Instruct
+  python experiments/webshop_grpo_salt.py --recipe verl-agent-webshop \
+      --model ~/Qwen2.5-1.5B-Instruct
 
 Training uses the "train" goals and evaluation the "test" ones (verl-agent's split: goals 0-499
 test). Without --model the policy is the tiny random-init Qwen2 over the offline Qwen2.5

@@ -53,4 +53,9 @@ VERL_AGENT = {
     "algo": "grpo",
 }
 
-RECIPES = {"verl-agent": VERL_AGENT}
+# The same on WebShop: 15 steps an episode and prompts up to 4,096 tokens (env.max_steps=15,
+# data.max_prompt_length=4096 in the WebShop runs of verl-agent and its forks; read in forks' run
+# scripts, verl-agent's own was not at hand). Apply with `--recipe verl-agent-webshop`.
+VERL_AGENT_WEBSHOP = {**VERL_AGENT, "max_steps": 15, "max_cache_len": 4096 + 512}
+
+RECIPES = {"verl-agent": VERL_AGENT, "verl-agent-webshop": VERL_AGENT_WEBSHOP}

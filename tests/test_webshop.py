@@ -463,6 +463,14 @@ def test_fuzzed_model_outputs_through_the_parser_and_env(env):
     env.max_steps = 15
 
 
+def test_webshop_recipe_is_verl_agents_with_webshops_episode_and_prompt_lengths():
+  from salt_jax.recipes import RECIPES  # pylint: disable=import-outside-toplevel
+  ws_recipe, alf = RECIPES["verl-agent-webshop"], RECIPES["verl-agent"]
+  assert ws_recipe["max_steps"] == 15 and ws_recipe["max_cache_len"] == 4608
+  assert {k: v for k, v in ws_recipe.items() if k not in ("max_steps", "max_cache_len")} == {
+      k: v for k, v in alf.items() if k not in ("max_steps", "max_cache_len")}
+
+
 def test_a_training_iteration_runs_on_webshop(tmp_path):
   from salt_jax.train import TrainConfig, Trainer  # pylint: disable=import-outside-toplevel
   cfg = TrainConfig(env="webshop", tokenizer="toy", group_size=2, tasks_per_iter=1,
