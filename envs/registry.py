@@ -68,8 +68,9 @@ def task_list(name: str, split: str, **kwargs: Any) -> list[Task]:
   """The tasks of `split` for family `name`.
 
   Splits: alfworld valid_train / valid_seen / valid_unseen (or any folder of `$ALFWORLD_DATA`);
-  textworld train / heldout; toy any name; webshop train / test. Keyword arguments the task function does not take are
-  dropped (they are the env's, e.g. `max_steps`), except that the task function's own must match.
+  textworld train / heldout; toy any name; webshop train / test. Keyword arguments the task
+  function does not take are dropped (they are the env's, e.g. `max_steps`), except that the task
+  function's own must match.
   """
   fn = _load(_entry(name)[1])
   params = inspect.signature(fn).parameters

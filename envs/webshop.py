@@ -25,8 +25,9 @@ Observations are WebShop's `observation_mode='text'` ("simple"): the page's visi
 by " [SEP] ". Available actions are verl-agent's list: `search[<your query>]` where the page has a
 search bar, then `click[x]` for every clickable. As in WebShop, a search typed on a page without a
 search bar is played too, a blank query finds nothing, and `click[search]` is listed but does
-nothing. An action WebShop ignores is an invalid step that re-shows the page. The page after buying shows only the
-thank-you line and the score (WebShop's done page also prints hidden debugging fields).
+nothing. An action WebShop ignores is an invalid step that re-shows the page. The page after
+buying shows only the thank-you line and the score (WebShop's done page also prints hidden
+debugging fields).
 
 Reward: `reward="won"` (default, verl-agent's): 1.0 for a perfect purchase (score 1.0), else 0.0;
 `reward="score"`: WebShop's score. `won` is score == 1.0 either way; `last_score` holds the score.

@@ -90,9 +90,9 @@ TINY_POLICY = dict(hidden_size=64, intermediate_size=256, num_layers=2, num_head
 class TrainConfig:
   """Everything one run needs; `validate()` checks it before any work.
 
-  Environment: env ('alfworld', 'textworld', 'toy', 'webshop'), env_kwargs, train_split / eval_splits
-    (None: the env's defaults), num_train_tasks (None: all), num_eval_tasks, eval_every (0: off),
-    env_workers (0: in-process), max_steps.
+  Environment: env ('alfworld', 'textworld', 'toy', 'webshop'), env_kwargs, train_split /
+    eval_splits (None: the env's defaults), num_train_tasks (None: all), num_eval_tasks,
+    eval_every (0: off), env_workers (0: in-process), max_steps.
   Policy: model (a local Hugging Face folder; None: the tiny random Qwen2 `TINY_POLICY`),
     tokenizer ('qwen25': the offline Qwen2.5 tokenizer; 'toy': `toy_chat_tokenizer`; or a local
     folder; a model folder brings its own), tiny_policy (overrides of TINY_POLICY), init_params
