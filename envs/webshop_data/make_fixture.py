@@ -11,8 +11,8 @@ Files (the names and schema of WebShop's 1,000-product set, so `envs.webshop` re
   items_ins_v2_1000.json   asin -> {attributes, instruction, instruction_attributes}
   items_human_ins.json     asin -> [{asin, instruction, instruction_attributes,
                            instruction_options}]
-5 categories x 4 product types x 3 products; synthetic goals (one per option combination) number
-about 250, human goals about 110. A few rows exercise the loader's edge cases: an asin 'nan', one
+5 categories x 4 product types x 3 products; they make 216 synthetic goals (one per option
+combination) and 120 human ones. A few rows exercise the loader's edge cases: an asin 'nan', one
 longer than 10 characters, a repeated asin, empty pricing, a price range, a '/' in an option value,
 a description-less product, bullet points given as one string, a product without attributes.
 Deterministic: the same files every run.
