@@ -49,6 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # This host compiles for the topology's devices; its own backend is the CPU (with libtpu
 # installed and no TPU attached, jax would otherwise try to open a TPU first).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Only compiling: libtpu's one-process lock (meant for a TPU's runtime) would stop a second
+# compiling process, e.g. the tests beside a long compile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -39,6 +39,7 @@ def _compiled(fn, args, **kwargs):
   return fn.lower(*args, **kwargs).compile()
 
 
+@pytest.mark.slow  # four compiles of the update: 30 to 65 s on 2 shared cores
 def test_update_and_logprobs_figures_are_the_compiled_programs(mesh):
   shape = tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32))
   assert (shape.rows, shape.seq_len) == (8, 48)  # 32 + 16 tokens: a bucket of its own
