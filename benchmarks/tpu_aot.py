@@ -289,6 +289,7 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
                                                    params if name == "update" else ref_params),
                                 resident)
     out[name] = report
+    report.flops = None  # the compiled count holds one pass of each loop: not the step's
     if not flops:
       continue
     flop_rows = micro if name == "update" else int(mesh.shape["data"])
