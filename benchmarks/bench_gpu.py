@@ -33,7 +33,8 @@ QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2
 # Dense bf16 peak (TFLOP/s) and HBM bandwidth (TB/s) by device_kind substring (vendor sheets).
 CHIPS = {"H200": (989.0, 4.8), "H100": (989.0, 3.35), "A100": (312.0, 2.0), "L4": (121.0, 0.3),
          "A10": (125.0, 0.6), "TPU v4": (275.0, 1.2), "TPU v5 lite": (197.0, 0.82),
-         "TPU v5e": (197.0, 0.82), "TPU v5p": (459.0, 2.76), "TPU v6": (918.0, 1.64)}
+         "TPU v5e": (197.0, 0.82), "TPU v5p": (459.0, 2.76), "TPU v5": (459.0, 2.76),
+         "TPU v6": (918.0, 1.64)}
 
 
 def chip_limits(kind: str, peak_tflops, bandwidth_tbs):

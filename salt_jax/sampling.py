@@ -147,15 +147,17 @@ class _Plan(NamedTuple):
 _FEW_ROWS = 32
 
 
-def _few_rows_compiler_options() -> dict | None:
+def _few_rows_compiler_options(mesh: jax.sharding.Mesh | None) -> dict | None:
   """XLA options for decoding a few rows: on an AVX2-only CPU, plain (Eigen) dots instead of
   YNNPACK fusions. A decode step multiplies a few rows by every weight matrix, streamed from L3;
   there YNNPACK's dots ran 2x slower (8 MB of [16, 256] x [256, 1024] matmuls: 16 vs 32 GFLOP/s
   on one core; benchmark model, greedy, 10 alternating calls, 2 cores: batch 16 2,238 vs 2,057
   tok/s, 32: 2,170 vs 2,004; at 64 and 128 rows YNNPACK won). With AVX-512, YNNPACK wins at every
   batch size (batch 16, 12 alternating calls: 117 vs 126 ms best, 135 vs 142 ms median), so
-  nothing is changed. Prefill and training always keep YNNPACK."""
-  if jax.default_backend() == "cpu" and not hostcpu.has_avx512():
+  nothing is changed. Prefill and training always keep YNNPACK. The platform is the mesh's
+  devices' (a TPU topology compiled ahead of time on a CPU host), else the default backend's."""
+  platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+  if platform == "cpu" and not hostcpu.has_avx512():
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
   return None
 
@@ -311,7 +313,7 @@ class Sampler:
                             static_argnames=("mode",))
     decode = functools.partial(self._decode_impl, self._graphdef)
     self._decode = jax.jit(decode, static_argnames=("mode",), donate_argnums=(1,))
-    few = _few_rows_compiler_options()
+    few = _few_rows_compiler_options(self.mesh)
     self._decode_few_rows = self._decode if few is None else jax.jit(
         decode, static_argnames=("mode",), donate_argnums=(1,), compiler_options=few)
 

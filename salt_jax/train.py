@@ -448,6 +448,88 @@ def save_params(path: str, params) -> None:
     ckpt.save(os.path.abspath(path), params, force=True)
 
 
+def lr_schedule(config: TrainConfig):
+  """The learning rate per optimizer step: warmup, then constant or cosine decay over the run."""
+  per_iter = config.ppo_epochs * max(1, -(-config.tasks_per_iter * config.group_size
+                                          * (config.max_steps if config.layout == "step" else 1)
+                                          // config.minibatch_rows))
+  total = max(config.iters * per_iter, config.warmup_steps + 1)
+  if config.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, max(config.warmup_steps, 1), total)
+  if config.warmup_steps:
+    return optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup_steps),
+                                 optax.constant_schedule(config.lr)], [config.warmup_steps])
+  return optax.constant_schedule(config.lr)
+
+
+def optimizer(config: TrainConfig, schedule) -> optax.GradientTransformation:
+  """AdamW at `schedule` after global-norm gradient clipping."""
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformation, rows: int,
+                    param_shardings, opt_shardings):
+  """The trainer's two jitted device programs over the policy `graphdef`'s params.
+
+  Returns (logprobs, train_step):
+    logprobs(params, input_ids, targets, attention_mask, positions) -> f32[rows, L] token
+      log-probs (the old and reference log-prob phases).
+    train_step(params, opt_state, mb, step_adv) -> (params, opt_state, metrics): one PPO-clip
+      step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl. ref_logprobs),
+      micro-batched per `config.microbatch_rows`; params and opt_state are donated and come back
+      on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite loss or
+      gradient leaves both unchanged and sets metrics['skipped'].
+  """
+  def logprobs(params, ids, tg, am, pos):
+    return token_logprobs(nnx.merge(graphdef, params), ids, tg, am, positions=pos,
+                          chunk_size=config.logprob_chunk)
+
+  def loss_fn(p, mb, step_adv):
+    model = nnx.merge(graphdef, p)
+    logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
+                                           mb["attention_mask"], positions=mb["positions"],
+                                           chunk_size=config.logprob_chunk)
+    adv = salt_jax.token_advantages(step_adv, mb["token_step_ids"])
+    loss, m = salt_jax.policy_loss(
+        logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=config.clip_eps,
+        clip_eps_high=config.clip_eps_high, dual_clip=config.dual_clip,
+        ref_logp=mb["ref_logprobs"], kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+        loss_agg=config.loss_agg)
+    return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
+
+  def loss_weight(mb):
+    return salt_jax.aggregate_weight(mb["loss_mask"], config.loss_agg)
+
+  def metric_weights(mb):
+    """pg_loss aggregates as the loss does; the other metrics are token means."""
+    tokens = salt_jax.aggregate_weight(mb["loss_mask"], "token-mean")
+    m = salt_jax.PolicyLossMetrics(*([tokens] * len(salt_jax.PolicyLossMetrics._fields)))
+    return m._replace(pg_loss=loss_weight(mb)), tokens
+
+  micro = rows // config.microbatch_rows if config.microbatch_rows else 1
+  grad_fn = salt_jax.microbatched_value_and_grad(
+      loss_fn, micro, has_aux=True, weight_fn=loss_weight, aux_weight_fn=metric_weights)
+
+  def train_step(params, opt_state, mb, step_adv):
+    """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
+    (loss, (m, ent)), grads = grad_fn(params, mb, step_adv)
+    gnorm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # Never apply a non-finite update: keep params and optimizer state (its step count too).
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    out = dict(loss=loss, grad_norm=gnorm, kl=m.kl, clip_fraction=m.clip_fraction,
+               pg_loss=m.pg_loss, ratio_mean=m.ratio_mean, approx_kl_old=m.approx_kl_old,
+               entropy=ent, skipped=~ok)
+    return keep(new_params, params), keep(new_opt, opt_state), out
+  # Outputs pinned to the inputs' shardings: otherwise the second call sees params laid out
+  # as XLA chose and compiles again.
+  return jax.jit(logprobs), jax.jit(train_step, donate_argnums=(0, 1),
+                                    out_shardings=(param_shardings, opt_shardings, None))
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -511,9 +593,8 @@ class Trainer:
       nnx.update(self.model, params)
     self.params = params
     self.ref_params = jax.tree.map(jnp.copy, params)  # frozen copy of the initial policy
-    self.schedule = self._schedule()
-    self.tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                          optax.adamw(self.schedule, weight_decay=cfg.weight_decay))
+    self.schedule = lr_schedule(cfg)
+    self.tx = optimizer(cfg, self.schedule)
     # optax makes its step counters on one device: replicate them over the mesh, so the jitted
     # update sees every input on the mesh's devices.
     def on_mesh(x):
@@ -583,75 +664,13 @@ class Trainer:
       b.append(b[-1] * 2)
     return b
 
-  def _schedule(self):
-    cfg = self.config
-    per_iter = cfg.ppo_epochs * max(1, -(-cfg.tasks_per_iter * cfg.group_size
-                                         * (cfg.max_steps if cfg.layout == "step" else 1)
-                                         // cfg.minibatch_rows))
-    total = max(cfg.iters * per_iter, cfg.warmup_steps + 1)
-    if cfg.schedule == "cosine":
-      return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1), total)
-    if cfg.warmup_steps:
-      return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps),
-                                   optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
-    return optax.constant_schedule(cfg.lr)
-
   def _jit(self):
-    cfg, graphdef = self.config, self.graphdef
-
-    def logprobs(params, ids, tg, am, pos):
-      return token_logprobs(nnx.merge(graphdef, params), ids, tg, am, positions=pos,
-                            chunk_size=cfg.logprob_chunk)
-    self._logprobs = jax.jit(logprobs)
-
+    cfg = self.config
     self._advantages = jax.jit(functools.partial(group_advantages, cfg.algo), static_argnums=(4,))
     self._refine = jax.jit(salt_jax.refine, static_argnums=(2,))
-
-    def loss_fn(p, mb, step_adv):
-      model = nnx.merge(graphdef, p)
-      logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
-                                             mb["attention_mask"], positions=mb["positions"],
-                                             chunk_size=cfg.logprob_chunk)
-      adv = salt_jax.token_advantages(step_adv, mb["token_step_ids"])
-      loss, m = salt_jax.policy_loss(
-          logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=cfg.clip_eps,
-          clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-          ref_logp=mb["ref_logprobs"], kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-          loss_agg=cfg.loss_agg)
-      return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
-
-    def loss_weight(mb):
-      return salt_jax.aggregate_weight(mb["loss_mask"], cfg.loss_agg)
-
-    def metric_weights(mb):
-      """pg_loss aggregates as the loss does; the other metrics are token means."""
-      tokens = salt_jax.aggregate_weight(mb["loss_mask"], "token-mean")
-      m = salt_jax.PolicyLossMetrics(*([tokens] * len(salt_jax.PolicyLossMetrics._fields)))
-      return m._replace(pg_loss=loss_weight(mb)), tokens
-
-    micro = self.rows // cfg.microbatch_rows if cfg.microbatch_rows else 1
-    grad_fn = salt_jax.microbatched_value_and_grad(
-        loss_fn, micro, has_aux=True, weight_fn=loss_weight, aux_weight_fn=metric_weights)
-
-    def train_step(params, opt_state, mb, step_adv):
-      """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
-      (loss, (m, ent)), grads = grad_fn(params, mb, step_adv)
-      gnorm = optax.tree.norm(grads)
-      ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-      updates, new_opt = self.tx.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      # Never apply a non-finite update: keep params and optimizer state (its step count too).
-      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-      out = dict(loss=loss, grad_norm=gnorm, kl=m.kl, clip_fraction=m.clip_fraction,
-                 pg_loss=m.pg_loss, ratio_mean=m.ratio_mean, approx_kl_old=m.approx_kl_old,
-                 entropy=ent, skipped=~ok)
-      return keep(new_params, params), keep(new_opt, opt_state), out
-    # Outputs pinned to the inputs' shardings: otherwise the second call sees params laid out
-    # as XLA chose and compiles again.
     shard_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-    self._train_step = jax.jit(
-        train_step, donate_argnums=(0, 1),
-        out_shardings=(shard_of(self.params), shard_of(self.opt_state), None))
+    self._logprobs, self._train_step = update_programs(
+        cfg, self.graphdef, self.tx, self.rows, shard_of(self.params), shard_of(self.opt_state))
 
   # ---------------------------------------------------------------- checkpoints
 

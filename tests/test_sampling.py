@@ -114,8 +114,10 @@ def test_both_cpu_decode_paths_match_the_full_forward(setup, avx512, monkeypatch
   from salt_jax.models import qwen2
   model, sampler, _, _, _ = setup
   monkeypatch.setattr(hostcpu, "has_avx512", lambda: avx512)
-  assert qwen2._decode_attention_by_sum() == (jax.default_backend() == "cpu" and not avx512)
-  assert (sampling._few_rows_compiler_options() is None) == (
+  no_mesh = qwen2.ActivationSharding()
+  assert qwen2._decode_attention_by_sum(no_mesh) == (jax.default_backend() == "cpu"
+                                                     and not avx512)
+  assert (sampling._few_rows_compiler_options(None) is None) == (
       avx512 or jax.default_backend() != "cpu")
   fresh = Sampler(model, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD,
                   max_cache_len=CACHE, prompt_buckets=(8,), batch_buckets=(4,))

@@ -206,3 +206,18 @@ def _rope_theta(d: Mapping[str, Any]) -> float:
   if d.get("rope_theta") is not None:
     return float(d["rope_theta"])
   return 10000.0
+
+
+# The Qwen2.5 Instruct checkpoints' architectures, as their config.json files give them (no
+# weights needed): for compiling and sizing programs ahead of time.
+_QWEN25 = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, attention_bias=True, head_dim=128,
+               max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645)
+PRESETS: Mapping[str, ModelConfig] = {
+    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                num_layers=28, num_heads=12, num_kv_heads=2,
+                                tie_word_embeddings=True, **_QWEN25),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                              num_layers=28, num_heads=28, num_kv_heads=4, **_QWEN25),
+    "qwen2.5-32b": ModelConfig(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                               num_layers=64, num_heads=40, num_kv_heads=8, **_QWEN25),
+}

@@ -104,13 +104,21 @@ _ATTENTION_CHUNK_BYTES = 8 << 20
 _CAUSAL_QUERY_BLOCK = 256
 
 
+def _target_platform(shard: ActivationSharding) -> str:
+  """The platform the program is built for: its mesh's devices' (e.g. a TPU topology compiled
+  ahead of time on a CPU host), else the default backend's."""
+  if shard.mesh is not None:
+    return shard.mesh.devices.flat[0].platform
+  return jax.default_backend()
+
+
 def _one_cpu_device(shard: ActivationSharding) -> bool:
   """Sequential loops over rows or query blocks pay off only here: accelerators want the whole
   batch in one op, and a batch sharded over a mesh must not be cut into a sequential loop. A
   one-device mesh (the trainer's 1x1) shards nothing: without the loops there, an ALFWorld
   prefill of 8 rows x 4,096 tokens held 7 GB of scores and masks at once."""
   one_device = shard.mesh is None or shard.mesh.devices.size == 1
-  return one_device and jax.default_backend() == "cpu"
+  return one_device and _target_platform(shard) == "cpu"
 
 
 def _attention_rows_per_chunk(batch: int, scores_per_row: int, shard: ActivationSharding) -> int:
@@ -128,7 +136,7 @@ def _attention_rows_per_chunk(batch: int, scores_per_row: int, shard: Activation
   return max(d for d in range(1, min(rows, batch) + 1) if batch % d == 0)
 
 
-def _decode_attention_by_sum() -> bool:
+def _decode_attention_by_sum(shard: ActivationSharding) -> bool:
   """Whether a decode step (one query per row) computes attention as multiply-and-sum.
 
   On an AVX2-only CPU the B*K products of [G, H] x [H, S] were too small for Eigen's batched dot
@@ -137,7 +145,7 @@ def _decode_attention_by_sum() -> bool:
   step). Where the CPU has AVX-512 the sampler decodes with YNNPACK, whose batched dots are faster
   than the sums (one layer at batch 16: 48 vs 152 us with 96 slots, 0.41 vs 2.6 ms with 1,024).
   """
-  return jax.default_backend() == "cpu" and not hostcpu.has_avx512()
+  return _target_platform(shard) == "cpu" and not hostcpu.has_avx512()
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype):
@@ -216,16 +224,16 @@ class Attention(nnx.Module):
     b, t, n, h = q.shape
     rows = _attention_rows_per_chunk(b, n * t * v.shape[2], shard)
     if rows == b:
-      out = self._attend_rows(q, k, v, mask)
+      out = self._attend_rows(q, k, v, mask, shard)
     else:
       # A few rows at a time, so that their f32[rows, N, T, S] scores and probabilities stay in
       # cache; remat recomputes them in the backward pass instead of storing them all.
       split = lambda a: a.reshape(b // rows, rows, *a.shape[1:])  # noqa: E731
-      chunk = jax.checkpoint(lambda args: self._attend_rows(*args))
+      chunk = jax.checkpoint(lambda args: self._attend_rows(*args, shard))
       out = jax.lax.map(chunk, tuple(split(a) for a in (q, k, v, mask))).reshape(b, t, n, h)
     return out
 
-  def _attend_rows(self, q, k, v, mask):
+  def _attend_rows(self, q, k, v, mask, shard: ActivationSharding):
     """Softmax attention of q[B, T, N, H] over k[B, K, H, S], v[B, K, S, H] -> out[B, T, N, H]."""
     b, t, n, h = q.shape
     kv_heads, s = v.shape[1], v.shape[2]
@@ -233,7 +241,7 @@ class Attention(nnx.Module):
     # Queries of one kv head side by side, [B, K, G*T, H]: one plain batched matmul per (row,
     # kv head); XLA:CPU ran it 1.3x to 2x faster than a 5-d einsum (prefill and decode).
     qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
-    by_sum = t == 1 and _decode_attention_by_sum()
+    by_sum = t == 1 and _decode_attention_by_sum(shard)
     if by_sum:
       scores = jnp.sum(qg[..., None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32),
                        axis=-2)

@@ -1,0 +1,103 @@
+"""benchmarks/tpu_aot.py: a tiny policy compiled for a TPU v4 topology on this CPU host, its
+reported figures checked against the compiled programs' own memory and cost analyses.
+
+Needs libtpu (`pip install -e ".[tpu-aot]"`); skipped without it.
+"""
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+# pylint: disable=wrong-import-position
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import tpu_aot  # noqa: E402
+from salt_jax import train  # noqa: E402
+from salt_jax.models import ModelConfig  # noqa: E402
+
+MODEL = ModelConfig.tiny(vocab_size=256)
+# The verl-agent recipe cut down: 8-row mini-batches of 4-row micro-batches, 32-token prompts.
+CONFIG = train.TrainConfig.from_recipe(
+    "verl-agent", tasks_per_iter=2, group_size=2, max_steps=4, max_new_tokens=16,
+    max_cache_len=64, prompt_bucket_min=16, minibatch_rows=8, microbatch_rows=4, min_seq_len=16,
+    logprob_chunk=16)
+PROMPT = 32
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return tpu_aot.topology_mesh("v4:2x2x1", "4x2")
+
+
+def _compiled(fn, args, **kwargs):
+  return fn.lower(*args, **kwargs).compile()
+
+
+@pytest.mark.slow  # four compiles of the update: 30 to 65 s on 2 shared cores
+def test_update_and_logprobs_figures_are_the_compiled_programs(mesh):
+  shape = tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32))
+  assert (shape.rows, shape.seq_len) == (8, 48)  # 32 + 16 tokens: a bucket of its own
+  reports = tpu_aot.compile_update(shape, mesh, MODEL)
+  state = reports.pop("_state")
+  assert state["opt_state"] > 2 * state["params"]  # AdamW's two moments, plus step counts
+
+  # The same programs, compiled here straight from the trainer's builder.
+  _, graphdef, params = tpu_aot.abstract_policy(MODEL, mesh, jnp.float32)
+  tx = train.optimizer(CONFIG, train.lr_schedule(CONFIG))
+  opt = tpu_aot.abstract_opt_state(tx, params, mesh)
+  shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
+  logprobs, step = train.update_programs(CONFIG, graphdef, tx, 8, shard_of(params),
+                                         shard_of(opt))
+  mb = tpu_aot.minibatch(mesh, 8, 48)
+  adv = tpu_aot._on(mesh, (64,), jnp.float32)  # pylint: disable=protected-access
+  update = _compiled(step, (params, opt, mb, adv)).memory_analysis()
+  lp = _compiled(logprobs, (params, mb["input_ids"], mb["targets"], mb["attention_mask"],
+                            mb["positions"])).memory_analysis()
+  for report, mem in ((reports["update"], update), (reports["logprobs"], lp)):
+    assert report.fits
+    assert report.argument_bytes == mem.argument_size_in_bytes
+    assert report.output_bytes == mem.output_size_in_bytes
+    assert report.alias_bytes == mem.alias_size_in_bytes
+    assert report.temp_bytes == mem.temp_size_in_bytes
+  # Parameters, optimizer state and the batch are the update's arguments, byte for byte.
+  batch_bytes = tpu_aot.device_bytes((mb, adv))
+  assert update.argument_size_in_bytes == state["params"] + state["opt_state"] + batch_bytes
+  assert reports["update"].alias_bytes == state["params"] + state["opt_state"]  # donated
+  assert reports["update"].resident_bytes == state["ref_params"]
+
+  # FLOPs: the 4-row, one-chunk twin's compiled count, times 8 / 4.
+  twin_cfg = train.TrainConfig(**{**CONFIG.__dict__, "microbatch_rows": 0, "logprob_chunk": 48})
+  _, twin_step = train.update_programs(twin_cfg, graphdef, tx, 4, shard_of(params), shard_of(opt))
+  twin = _compiled(twin_step, (params, opt, tpu_aot.minibatch(mesh, 4, 48), adv))
+  assert reports["update"].flops == twin.cost_analysis()["flops"] * 2
+
+
+def test_sampler_figures_and_the_hbm_limit(mesh):
+  shape = tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32))
+  reports = tpu_aot.compile_sampler(shape, mesh, MODEL, PROMPT, resident_bytes=123)
+  assert reports["prefill"].note == "batch 4, prompt 32, cache 64"
+  for r in reports.values():
+    assert r.fits and r.resident_bytes == 123 and r.flops > 0
+    assert r.total_bytes == (123 + r.argument_bytes + r.output_bytes - r.alias_bytes
+                             + r.temp_bytes)
+  # The decode step's loop state is donated: the cache is updated in place.
+  assert reports["decode"].alias_bytes > 0
+  # A v4 TensorCore: half a chip's 32 GiB, less what the runtime keeps.
+  limit = tpu_aot.compiler_hbm_limit(mesh)
+  assert 14 * tpu_aot.GIB < limit <= 16 * tpu_aot.GIB
+  chip = tpu_aot.chip_figures(mesh)
+  assert chip["devices_per_chip"] == 2 and chip["hbm"] == 16 * tpu_aot.GIB
+
+
+def test_a_program_larger_than_hbm_is_reported_not_raised(mesh):
+  big = tpu_aot._on(mesh, (2**36,), jnp.float32)  # pylint: disable=protected-access
+  report, compiled = tpu_aot.compile_program("big", jax.jit(lambda x: jnp.cumsum(x) * 2),
+                                             (big,), resident_bytes=0)
+  assert compiled is None and not report.fits
+  assert report.needed_bytes > tpu_aot.compiler_hbm_limit(mesh)
