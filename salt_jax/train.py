@@ -416,19 +416,29 @@ def _tokenizer(name: str, env: str = "toy", env_kwargs_json: str = "{}"):
   raise ValueError(f"tokenizer must be 'qwen25', 'toy' or a local folder, got {name!r}")
 
 
+def policy_config(config: TrainConfig, tokenizer):
+  """(ModelConfig, parameter dtype) of the run's policy, without building it."""
+  # pylint: disable=import-outside-toplevel
+  from salt_jax.models import ModelConfig
+  if config.model is not None:
+    with open(os.path.join(config.model, "config.json"), encoding="utf-8") as f:
+      return ModelConfig.from_hf_dict(json.load(f)), jnp.dtype(config.param_dtype)
+  vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad their embedding
+  fields = {**TINY_POLICY, **config.tiny_policy}
+  eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+  return ModelConfig(vocab_size=vocab, eos_token_id=eos,
+                     max_position_embeddings=config.max_cache_len, **fields), jnp.dtype("float32")
+
+
 def build_policy(config: TrainConfig, tokenizer, mesh):
   """The policy `CausalLM`: loaded from `config.model`, else the tiny random Qwen2."""
   # pylint: disable=import-outside-toplevel
-  from salt_jax.models import CausalLM, ModelConfig, from_pretrained, shard_model
+  from salt_jax.models import CausalLM, from_pretrained, shard_model
   if config.model is not None:
     # float32 by default whatever the checkpoint holds: AdamW steps of ~1e-6 on bf16 weights
     # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.
     return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype))
-  vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad their embedding
-  fields = {**TINY_POLICY, **config.tiny_policy}
-  eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-  mcfg = ModelConfig(vocab_size=vocab, eos_token_id=eos,
-                     max_position_embeddings=config.max_cache_len, **fields)
+  mcfg, _ = policy_config(config, tokenizer)
   model = CausalLM(mcfg, rngs=nnx.Rngs(config.seed))
   return shard_model(model, mesh)
 

@@ -27,3 +27,25 @@ def hide_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == package else real(name, *a))
   return hide
+
+
+
+@pytest.fixture(scope="session")
+def tf4():
+  """tf4(script, *args): runs `script` in a Python with transformers 4.x and torch (without this
+  one's PYTHONPATH) and returns its last stdout line: checks that our Hugging Face folders load
+  there too. The Python is `$SALT_JAX_TF4_PYTHON`, default /work/venv_tf4/bin/python (make one
+  with `python -m venv --system-site-packages V && V/bin/pip install transformers==4.57.1
+  jinja2`); the test is skipped without it."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  python = os.environ.get("SALT_JAX_TF4_PYTHON", "/work/venv_tf4/bin/python")
+  if not os.path.exists(python):
+    pytest.skip(f"no transformers 4.x Python at {python} (set $SALT_JAX_TF4_PYTHON)")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+  def run(script: str, *args: str) -> str:
+    done = subprocess.run([python, "-c", script, *args], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+  return run

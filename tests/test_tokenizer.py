@@ -304,3 +304,30 @@ def test_save_atomically_keeps_a_concurrent_entry(tmp_path):
   tokmod._save_atomically(small, target, replace=True)  # a broken entry is replaced
   assert not (target / "marker").exists() and (target / "tokenizer.json").exists()
   assert [p.name for p in tmp_path.iterdir()] == ["entry"]  # no temporary folders left
+
+
+_TF4_ENCODE = r"""
+import json, sys
+import transformers
+assert transformers.__version__.startswith("4."), transformers.__version__
+tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+strings = json.loads(sys.argv[2])
+print(json.dumps({"class": type(tok).__name__, "len": len(tok), "eos": tok.eos_token,
+                  "pad": tok.pad_token, "special": tok.all_special_tokens,
+                  "ids": tok(strings, add_special_tokens=False)["input_ids"],
+                  "chat": tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                  tokenize=False, add_generation_prompt=True)}))
+"""
+
+
+def test_saved_folder_loads_in_transformers_4(tok, cached_and_saved, tf4):
+  # transformers 5 writes tokenizer_class "TokenizersBackend", which 4.x cannot load.
+  _, folder = cached_and_saved
+  strings = varied_strings(60, seed=5) + PIECES
+  got = json.loads(tf4(_TF4_ENCODE, str(folder), json.dumps(strings)))
+  assert got["class"] == "PreTrainedTokenizerFast" and got["len"] == 151665
+  assert (got["eos"], got["pad"]) == ("<|im_end|>", "<|endoftext|>")
+  assert set(got["special"]) == set(tok.all_special_tokens)
+  assert got["ids"] == tok(strings, add_special_tokens=False)["input_ids"]
+  assert got["chat"] == tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                tokenize=False, add_generation_prompt=True)

@@ -149,7 +149,12 @@ class ModelConfig:
     )
 
   def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
-    """The config.json that transformers reads back as Qwen2Config / LlamaConfig."""
+    """The config.json that transformers reads back as Qwen2Config / LlamaConfig, in 5.x and 4.x.
+
+    RoPE's base is written in both layouts: transformers 5's `rope_parameters` and the top-level
+    `rope_theta` that 4.x reads (4.57 ignores `rope_parameters` and would silently use 10000).
+    The parameter dtype goes under both `dtype` (5.x) and `torch_dtype` (4.x before 4.56).
+    """
     arch = "Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"
     d = {
         "architectures": [arch],
@@ -163,6 +168,7 @@ class ModelConfig:
         "head_dim": self.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
         "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
         "tie_word_embeddings": self.tie_word_embeddings,
         "max_position_embeddings": self.max_position_embeddings,
@@ -170,6 +176,7 @@ class ModelConfig:
         "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
                         else self.eos_token_id,
         "dtype": dtype,
+        "torch_dtype": dtype,
     }
     if self.model_type == "qwen2":
       d["use_sliding_window"] = False

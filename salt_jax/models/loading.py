@@ -306,12 +306,24 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
                            mesh=mesh, rules=rules)
 
 
-def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
-  """Writes config.json and model.safetensors (HF names and layouts) that `from_pretrained` and
-  transformers' `AutoModelForCausalLM.from_pretrained` both read. Gathers each tensor to host.
+def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
+                    generation: Mapping[str, Any] | None = None) -> None:
+  """Writes a Hugging Face folder: config.json, model.safetensors and generation_config.json.
+
+  `from_pretrained` and transformers' `AutoModelForCausalLM.from_pretrained` read it, in 5.x and
+  in 4.x (`ModelConfig.to_hf_dict` writes the keys both read). Gathers each tensor to host.
+
+  Args:
+    model: the policy.
+    path: the folder (created).
+    dtype: the stored dtype ('float32', 'bfloat16', 'float16' or a jnp dtype); None: the model's
+      parameter dtype.
+    generation: fields of generation_config.json on top of the model's bos/eos ids (e.g.
+      pad_token_id, do_sample, temperature, top_p, top_k).
   """
   if not isinstance(model, CausalLM):
     raise ValueError(f"model must be a CausalLM, got {type(model).__name__}")
+  dtype_name = _dtype_name(model.param_dtype if dtype is None else dtype)
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   config = model.config
@@ -319,11 +331,34 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
   tensors = {}
   for name, spec in hf_tensor_specs(config).items():
     value = np.asarray(jax.device_get(_get_path(pure, spec.path)))
-    tensors[name] = np.ascontiguousarray(spec.to_hf(value))
-  dtype_name = {np.dtype(v): k for k, v in _DTYPES.items()}.get(np.dtype(model.param_dtype),
-                                                                "float32")
+    tensors[name] = np.ascontiguousarray(spec.to_hf(value).astype(_DTYPES[dtype_name]))
   with open(os.path.join(path, "config.json"), "w") as fh:
     json.dump(config.to_hf_dict(dtype=dtype_name), fh, indent=2)
+  with open(os.path.join(path, "generation_config.json"), "w") as fh:
+    json.dump(generation_config(config, **(generation or {})), fh, indent=2)
   # transformers refuses safetensors files without a 'format' entry.
   safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"),
                               metadata={"format": "pt"})
+
+
+def generation_config(config: ModelConfig, **fields) -> dict[str, Any]:
+  """generation_config.json's dict: the model's bos/eos ids (a list of eos ids when several, as
+  transformers 4.x and 5.x both accept), then `fields` (None values dropped)."""
+  eos = list(config.eos_token_ids)
+  out = {"bos_token_id": config.bos_token_id,
+         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
+  out.update(fields)
+  return {k: v for k, v in out.items() if v is not None}
+
+
+def _dtype_name(dtype) -> str:
+  """'float32' / 'bfloat16' / 'float16' for a name or a dtype; ValueError for anything else."""
+  if isinstance(dtype, str) and dtype in _DTYPES:
+    return dtype
+  try:
+    name = {np.dtype(v): k for k, v in _DTYPES.items()}.get(np.dtype(dtype))
+  except TypeError:
+    name = None
+  if name is None:
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  return name

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
@@ -127,8 +128,8 @@ def build_qwen25_tokenizer(save_dir: str | os.PathLike | None = None, *,
 
   Args:
     save_dir: optional folder to also write the tokenizer to (tokenizer.json,
-      tokenizer_config.json, chat_template.jinja), loadable with `load_tokenizer` or
-      `transformers.AutoTokenizer.from_pretrained`.
+      tokenizer_config.json, chat_template.jinja; `save_tokenizer`), loadable with
+      `load_tokenizer` or `transformers.AutoTokenizer.from_pretrained` of transformers 5.x or 4.x.
     use_cache: load a previous build from the disk cache (`$SALT_JAX_CACHE`, else
       `~/.cache/salt_jax`) and store a new one there. The cache key covers the ranks file, the
       template, the recipe and the tokenizers/transformers versions.
@@ -155,8 +156,36 @@ def build_qwen25_tokenizer(save_dir: str | os.PathLike | None = None, *,
     if use_cache:
       _save_atomically(tok, cache, replace=broken)
   if save_dir is not None:
-    tok.save_pretrained(str(save_dir))
+    save_tokenizer(tok, save_dir)
   return tok
+
+
+# Load-time arguments transformers 5 writes into tokenizer_config.json; they describe the folder it
+# was read from, not the tokenizer.
+_LOAD_TIME_KEYS = ("backend", "is_local", "local_files_only")
+
+
+def save_tokenizer(tok, save_dir: str | os.PathLike) -> None:
+  """`tok.save_pretrained(save_dir)`, with a tokenizer_config.json that transformers 4.x loads too.
+
+  transformers 5 names the class of a tokenizer.json-backed tokenizer `TokenizersBackend` and
+  lists extra special tokens as `extra_special_tokens: [...]`; 4.57's `AutoTokenizer` knows
+  neither (no such class; a dict expected). The file is rewritten with `PreTrainedTokenizerFast`
+  (which both versions load from tokenizer.json as is) and `additional_special_tokens`, which both
+  read as a list.
+  """
+  tok.save_pretrained(str(save_dir))
+  path = pathlib.Path(save_dir) / "tokenizer_config.json"
+  cfg = json.loads(path.read_text("utf-8"))
+  if cfg.get("tokenizer_class") == "TokenizersBackend":
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+  extra = cfg.get("extra_special_tokens")
+  if isinstance(extra, list):
+    del cfg["extra_special_tokens"]
+    cfg["additional_special_tokens"] = extra
+  for key in _LOAD_TIME_KEYS:
+    cfg.pop(key, None)
+  path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
 def _save_atomically(tok, target: pathlib.Path, *, replace: bool) -> None:
