@@ -858,6 +858,7 @@ class Trainer:
     cfg = self.config
     it = self.iteration_index
     times = {}
+    histograms = {}  # TensorBoard only: the step advantages before and after SALT
     t_iter = time.perf_counter()
     self.key, k_rollout, k_shuffle = jax.random.split(self.key, 3)
     tasks = self.task_sampler.next(cfg.tasks_per_iter)
@@ -956,6 +957,7 @@ class Trainer:
       # Kept for inspection (tests, debugging): what this iteration trained on.
       self.last_minibatches, self.last_step_adv = mbs, step_adv
       self.last_advantages = (before, after)
+      histograms = {"adv_before": before, "adv_after": after}
       upd = self._update(mbs, step_adv, k_shuffle) if learn else self._no_update()
       times["update"] = time.perf_counter() - t0
     m.update(upd)
@@ -974,7 +976,7 @@ class Trainer:
     m["time/iteration"] = time.perf_counter() - t_iter
     # Logged before the checkpoint that covers it: a kill in between leaves a row that the resume
     # drops and writes again; logged after, a kill in between would lose the row.
-    row = self._logger.log(it, m)
+    row = self._logger.log(it, m, histograms)
     self._last_save_s = None
     if self.iteration_index % cfg.checkpoint_every == 0 or self.iteration_index == cfg.iters:
       t0 = time.perf_counter()

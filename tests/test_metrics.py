@@ -1,69 +1,13 @@
-"""Metrics logs after a kill: torn last writes, event decoding, and the cut back on resume."""
+"""Metrics logs after a kill: torn last writes, and the cut back on resume, read back by
+TensorBoard's own reader."""
 
 import os
 
+import numpy as np
 import pytest
 
 from salt_jax import metrics as metrics_lib
-
-
-def _scalars(logdir):
-  """[(step, tag, value)] over every event file in `logdir`, in file order."""
-  out = []
-  for name in sorted(os.listdir(logdir)):
-    for rec in metrics_lib.read_records(os.path.join(logdir, name)):
-      e = metrics_lib.decode_event(rec)
-      if "tag" in e:
-        out.append((e["step"], e["tag"], e["value"]))
-  return out
-
-
-def test_decode_event_inverts_the_encoders():
-  e = metrics_lib.decode_event(metrics_lib.encode_scalar_event("loss/pg", 1.5, 7, 12.25))
-  assert e == {"wall_time": 12.25, "step": 7, "tag": "loss/pg", "value": 1.5}
-  assert metrics_lib.decode_event(metrics_lib.encode_scalar_event("x", -2.0, -3, 0.0))["step"] == -3
-  v = metrics_lib.decode_event(metrics_lib.encode_version_event(5.0))
-  assert v == {"wall_time": 5.0, "step": 0, "file_version": "brain.Event:2"}
-
-
-@pytest.mark.parametrize("data", [
-    metrics_lib.encode_scalar_event("a", 1.0, 1, 0.0)[:-2],  # cut short
-    b"\x80" * 11,  # a varint that never ends
-    bytes([(1 << 3) | 3]),  # wire type 3 (groups) is not written by this module
-])
-def test_decode_event_rejects_malformed_bytes(data):
-  with pytest.raises(ValueError):
-    metrics_lib.decode_event(data)
-
-
-def _event_file(path, n):
-  recs = [metrics_lib.encode_scalar_event("a", float(i), i, 0.0) for i in range(n)]
-  with open(path, "wb") as f:
-    f.write(b"".join(metrics_lib.frame_record(r) for r in recs))
-  return recs
-
-
-@pytest.mark.parametrize("keep", [3, 10])  # the data cut short; the length header cut short
-def test_read_records_torn_tail(tmp_path, keep):
-  path = str(tmp_path / "events.out.tfevents.1")
-  recs = _event_file(path, 3)
-  with open(path, "r+b") as f:
-    f.truncate(os.path.getsize(path) - len(metrics_lib.frame_record(recs[2])) + keep)
-  with pytest.raises(ValueError, match="truncated"):
-    metrics_lib.read_records(path)
-  assert metrics_lib.read_records(path, torn_tail_ok=True) == recs[:2]
-
-
-def test_read_records_torn_tail_ok_still_checks_crcs(tmp_path):
-  path = str(tmp_path / "events.out.tfevents.1")
-  _event_file(path, 2)
-  with open(path, "r+b") as f:
-    f.seek(14)
-    byte = f.read(1)
-    f.seek(14)
-    f.write(bytes([byte[0] ^ 1]))
-  with pytest.raises(ValueError, match="CRC"):
-    metrics_lib.read_records(path, torn_tail_ok=True)
+from tests.tensorboard_reader import read_tensorboard
 
 
 def test_read_jsonl_leaves_out_a_torn_last_line(tmp_path):
@@ -77,6 +21,7 @@ def test_read_jsonl_leaves_out_a_torn_last_line(tmp_path):
 
 def test_resume_cuts_both_logs_back_to_the_checkpoint(tmp_path):
   out = str(tmp_path)
+  tb = os.path.join(out, "tb")
   first = metrics_lib.MetricsLogger(out)
   for it in range(4):
     first.log(it, {"loss": float(it), "time/update": 0.5})
@@ -85,26 +30,42 @@ def test_resume_cuts_both_logs_back_to_the_checkpoint(tmp_path):
   with open(os.path.join(out, "metrics.jsonl"), "a", encoding="utf-8") as f:
     f.write('{"iteration": 4, "lo')
   with open(first._tb.path, "ab") as f:  # pylint: disable=protected-access
-    f.write(metrics_lib.frame_record(metrics_lib.encode_scalar_event("loss", 4.0, 4, 0.0))[:9])
+    f.write(b"\x20\x00\x00\x00\x00\x00\x00\x00\x01")
+  assert sorted({s for s, _ in read_tensorboard(tb)[0]}) == [0, 1, 2, 3]
 
   second = metrics_lib.MetricsLogger(out, truncate_from=2)  # the checkpoint was at iteration 2
   assert [r["iteration"] for r in metrics_lib.read_jsonl(second.jsonl_path)] == [0, 1]
-  assert sorted({s for s, _, _ in _scalars(os.path.join(out, "tb"))}) == [0, 1]
+  assert sorted({s for s, _ in read_tensorboard(tb)[0]}) == [0, 1]  # purged by the START event
   for it in range(2, 4):
-    second.log(it, {"loss": float(it), "time/update": 0.5})
+    second.log(it, {"loss": 10.0 + it, "time/update": 0.5})
   second.close()
   rows = metrics_lib.read_jsonl(second.jsonl_path)
   assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
-  got = _scalars(os.path.join(out, "tb"))
-  assert sorted(got) == sorted((it, tag, v) for it in range(4)
-                               for tag, v in (("loss", float(it)), ("time/update", 0.5)))
+  want = {(it, tag): [v] for it in range(4)
+          for tag, v in (("loss", float(it) if it < 2 else 10.0 + it), ("time/update", 0.5))}
+  assert read_tensorboard(tb)[0] == want
 
   fresh = metrics_lib.MetricsLogger(out)  # a new run in the same folder starts both logs over
   fresh.close()
-  assert not metrics_lib.read_jsonl(fresh.jsonl_path) and not _scalars(os.path.join(out, "tb"))
-  assert os.listdir(os.path.join(out, "tb")) == [os.path.basename(fresh._tb.path)]  # pylint: disable=protected-access
+  assert not metrics_lib.read_jsonl(fresh.jsonl_path) and read_tensorboard(tb) == ({}, {})
+  assert os.listdir(tb) == [os.path.basename(fresh._tb.path)]  # pylint: disable=protected-access
 
 
-def test_prune_events_without_a_folder_is_a_no_op(tmp_path):
-  metrics_lib.prune_events(str(tmp_path / "missing"), 0)
-  assert not os.path.exists(tmp_path / "missing")
+def test_histograms_go_to_tensorboard_only(tmp_path):
+  log = metrics_lib.MetricsLogger(str(tmp_path))
+  adv = np.array([-1.0, 0.0, 0.0, 0.5, 2.0, np.nan])
+  row = log.log(3, {"loss": 1.0}, {"adv_before": adv, "adv_after": adv * 2, "empty": []})
+  log.close()
+  assert row == {"iteration": 3, "loss": 1.0}
+  scalars, hists = read_tensorboard(str(tmp_path / "tb"))
+  assert scalars == {(3, "loss"): [1.0]} and set(hists) == {(3, "adv_before"), (3, "adv_after")}
+  h = hists[(3, "adv_after")]
+  assert (h.num, h.min, h.max, h.sum) == (5, -2.0, 4.0, 3.0)  # the NaN left out
+
+
+def test_no_tensorboard_and_other_processes_write_no_events(tmp_path):
+  metrics_lib.MetricsLogger(str(tmp_path / "a"), tensorboard=False).log(0, {"x": 1.0})
+  assert not os.path.exists(tmp_path / "a" / "tb")
+  assert metrics_lib.MetricsLogger(str(tmp_path / "b"), write=False).log(0, {"x": 1.0}) == {
+      "iteration": 0, "x": 1.0}
+  assert not os.path.exists(tmp_path / "b")

@@ -35,6 +35,7 @@ from salt_jax import sft
 from salt_jax.sharding import make_mesh
 from salt_jax.train import TrainConfig, Trainer, _build_tokenizer, _stats, build_policy, save_params
 from tests import references as ref
+from tests.tensorboard_reader import read_tensorboard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +97,7 @@ def run_a(warm, tmp_path_factory):
 
 
 def test_metrics_written_with_all_keys(run_a):
-  cfg, _, rows, _ = run_a
+  cfg, _, rows, first = run_a
   logged = metrics_lib.read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
   assert [r["iteration"] for r in logged] == [0, 1, 2]
   for r in logged:
@@ -107,31 +108,14 @@ def test_metrics_written_with_all_keys(run_a):
     assert 0.0 <= r["merge_rate"] < 1.0 and 0.0 <= r["valid_action_ratio"] <= 1.0
   assert logged == [json.loads(json.dumps(r)) for r in rows]
   assert rows[2]["kl"] > 0.0  # the policy has moved off its reference
-  # TensorBoard: every record's CRCs check, and the scalars are there with their steps.
-  tb = os.path.join(cfg.out, "tb")
-  (name,) = os.listdir(tb)
-  recs = metrics_lib.read_records(os.path.join(tb, name))
-  assert b"brain.Event:2" in recs[0]
-  assert len(recs) == 1 + sum(len([k for k, v in r.items()
-                                   if isinstance(v, (int, float)) and k != "iteration"])
-                              for r in rows)
-  assert any(b"success_rate" in r for r in recs) and any(b"time/update" in r for r in recs)
-
-
-def test_crc32c_and_event_framing():
-  assert metrics_lib.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
-  rec = metrics_lib.frame_record(metrics_lib.encode_scalar_event("a/b", 1.5, 7, 0.0))
-  assert rec[:8] == (len(rec) - 16).to_bytes(8, "little")
-  bad = bytearray(rec)
-  bad[14] ^= 1
-  path = os.path.join(os.path.dirname(__file__), "..", ".pytest_tb_bad")
-  try:
-    with open(path, "wb") as f:
-      f.write(bytes(bad))
-    with pytest.raises(ValueError, match="CRC"):
-      metrics_lib.read_records(path)
-  finally:
-    os.remove(path)
+  # TensorBoard, as its own reader sees it: every scalar once at its step, and the histograms of
+  # the step advantages before and after SALT.
+  scalars, hists = read_tensorboard(os.path.join(cfg.out, "tb"))
+  assert scalars == {(r["iteration"], k): [np.float32(v)] for r in rows for k, v in r.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)
+                     and k != "iteration" and math.isfinite(v)}
+  assert set(hists) == {(i, t) for i in range(3) for t in ("adv_before", "adv_after")}
+  assert hists[(0, "adv_after")].num == len(first[2][1])
 
 
 def test_salt_changes_the_advantages_and_nothing_else(run_a, warm, tmp_path):
@@ -256,15 +240,8 @@ def _steps(out):
 
 
 def _tensorboard_scalars(out):
-  """{(step, tag): [values]} over every event file of the run."""
-  got = {}
-  tb = os.path.join(out, "tb")
-  for name in os.listdir(tb):
-    for rec in metrics_lib.read_records(os.path.join(tb, name)):
-      e = metrics_lib.decode_event(rec)
-      if "tag" in e:
-        got.setdefault((e["step"], e["tag"]), []).append(e["value"])
-  return got
+  """{(step, tag): [values]} of the run, as TensorBoard's reader sees them."""
+  return read_tensorboard(os.path.join(out, "tb"))[0]
 
 
 def test_killed_at_any_moment_resumes_as_if_never_stopped(run_a, tmp_path):
