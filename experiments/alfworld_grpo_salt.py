@@ -77,6 +77,9 @@ def parser(env: str, defaults: dict) -> argparse.ArgumentParser:
   """The flags of one experiment script; `defaults` are its CPU-sized defaults."""
   d = defaults
   p = argparse.ArgumentParser(description=f"GRPO/RLOO/Dr.GRPO + SALT on {env} (salt-jax)")
+  p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                 help="salt_jax's log: info = each phase of setup and of an iteration, debug = "
+                      "each rollout turn and mini-batch too (default: $SALT_JAX_LOG_LEVEL, else info)")
   p.add_argument("--mesh", default=d.get("mesh", "1x1"),
                  help="DxM device mesh ('data' x 'model'); simulated with CPU devices if needed")
   p.add_argument("--model", default=None,
@@ -206,6 +209,8 @@ def main(env: str, defaults: dict, argv=None) -> int:
     raise SystemExit("error: with several processes pass the same --out to each")
   args.out = output_dir(args.out, args.resume, defaults["out"])
   prepare_devices(args.mesh, args.num_processes or 1)
+  from salt_jax import log  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
+  log.configure(args.log_level)
   # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
   from salt_jax.train import TrainConfig
   flags = dict(

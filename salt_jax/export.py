@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from typing import Optional
@@ -31,6 +32,9 @@ import jax
 from flax import nnx
 
 from salt_jax import checkpoint
+from salt_jax import log
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -136,7 +140,9 @@ def export_run(run: str, out: str, *, step: Optional[int] = None,
   from salt_jax.models.tokenizer import save_tokenizer
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+  logger.info("export: reading checkpoint %s of %s", "(newest)" if step is None else step, run)
   model, tokenizer, cfg, step = load_policy(run, step)
+  logger.info("export: writing %s (%s)", out, dtype or cfg.param_dtype)
   save_pretrained(model, out, dtype=dtype, generation=generation_fields(cfg, tokenizer))
   save_tokenizer(tokenizer, out)
   return step
@@ -151,7 +157,10 @@ def main(argv=None) -> int:
                       help="checkpoint (iteration) to export; default: the newest")
   parser.add_argument("--dtype", choices=DTYPES, default=None,
                       help="stored dtype; default: the run's parameter dtype")
+  parser.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                      help="default: $SALT_JAX_LOG_LEVEL, else info")
   args = parser.parse_args(argv)
+  log.configure(args.log_level)
   try:
     step = export_run(args.run, args.out, step=args.step, dtype=args.dtype)
   except (ValueError, checkpoint.DamagedCheckpoint) as e:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import time
 import zlib
 from typing import Any, Optional, Protocol, Sequence
@@ -41,6 +42,8 @@ import numpy as np
 from envs.base import Task
 from salt_jax.agent import parsing
 from salt_jax.agent.parsing import parse_action
+
+logger = logging.getLogger(__name__)
 
 INVALID_STEP_MODES = ("admissible", "format")
 PENALTY_SCOPES = ("trajectory", "step")
@@ -443,6 +446,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     turns += 1
     key, sub = jax.random.split(key)
     prompts = [list(convs[i].prompt_ids) for i in active]
+    logger.debug("rollout turn %d: %d of %d trajectories active, longest prompt %d tokens",
+                 turns, len(active), len(done), max(len(q) for q in prompts))
     if reuse:
       kwargs["keep_cache"] = True
       kwargs["continue_rows"] = None if turns == 1 else [int(row_of[i]) for i in active]

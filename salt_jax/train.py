@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -60,6 +61,7 @@ import salt_jax
 from salt_jax import batching
 from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
+from salt_jax import log as log_lib
 from salt_jax import multihost
 from salt_jax.agent.prompts import env_prompt_config
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
@@ -279,6 +281,8 @@ class TrainConfig:
       raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
     return cls(**{**RECIPES[name], **overrides})
 
+
+logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- task sampling
 
@@ -552,6 +556,8 @@ class Trainer:
   def __init__(self, config: TrainConfig):
     config.validate()
     self.config = config
+    if config.progress:  # a notebook or a script that set up no logging still shows the phases
+      log_lib.configure(only_if_unset=True)
     if config.distributed:  # before any other jax use
       multihost.initialize(config.coordinator, config.num_processes, config.process_id)
     self.num_processes, self.process_index = jax.process_count(), jax.process_index()
@@ -588,9 +594,13 @@ class Trainer:
     from salt_jax.sampling import Sampler
 
     cfg = self.config
+    t_setup = time.perf_counter()
+    logger.info("setup: tokenizer %r", cfg.tokenizer if cfg.model is None else cfg.model)
     self.tokenizer = _build_tokenizer(cfg)
     self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                       else self.tokenizer.eos_token_id)
+    logger.info("setup: policy %s (%s) on a %s mesh", cfg.model or "tiny random Qwen2",
+                cfg.param_dtype, "x".join(str(v) for v in self.mesh.shape.values()))
     self.model = build_policy(cfg, self.tokenizer, self.mesh)
     # Processes play different tasks, so each samples on its own devices alone: with several, the
     # sampler has its own copy of the policy there (`_sync_sampler`).
@@ -621,6 +631,9 @@ class Trainer:
     task_kw = dict(cfg.env_kwargs)
     if cfg.num_train_tasks is not None:
       task_kw["num_tasks"] = cfg.num_train_tasks
+    logger.info("setup: %s tasks of %s's %r split, %d env worker(s)", "all" if
+                cfg.num_train_tasks is None else cfg.num_train_tasks, cfg.env, split,
+                cfg.env_workers)
     self.task_sampler = TaskSampler(task_list(cfg.env, split, **task_kw), cfg.seed)
     self.eval_splits = cfg.eval_splits if cfg.eval_splits is not None else ENV_EVAL_SPLITS[cfg.env]
     self._pool = EnvPool(cfg.env, env_kw, cfg.env_workers)
@@ -654,10 +667,14 @@ class Trainer:
     if cfg.resume and self._ckpt.latest_step() is not None:
       self._restore_latest_intact()
       resumed = True
+      logger.info("setup: resumed from checkpoint %d of %s", self.iteration_index, cfg.out)
     self._sync_sampler()
     self._logger = metrics_lib.MetricsLogger(
         cfg.out, tensorboard=cfg.tensorboard,
         truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0)
+    n_params = sum(x.size for x in jax.tree.leaves(self.params))
+    logger.info("setup done in %.1fs: %.1fM parameters, writing to %s",
+                time.perf_counter() - t_setup, n_params / 1e6, cfg.out)
     return self
 
   def _sync_sampler(self) -> None:
@@ -864,10 +881,15 @@ class Trainer:
     tasks = self.task_sampler.next(cfg.tasks_per_iter)
 
     # rollout
+    logger.info("iteration %d/%d: rollout of %d tasks x %d trajectories", it + 1, cfg.iters,
+                len(tasks), cfg.group_size)
     t0 = time.perf_counter()
     full = self.collect_rollout(tasks, k_rollout, seed=cfg.seed * 100_003 + it,
                                 group_size=cfg.group_size)
     times["rollout"] = time.perf_counter() - t0
+    logger.info("iteration %d: rollout done in %.1fs: %d trajectories, %d steps, success %.2f",
+                it + 1, times["rollout"], full.num_trajectories, full.num_total_steps,
+                full.metrics["success_rate"])
     rm = full.metrics
     self.last_rollout = full
     batch = full.trainable()  # failed trajectories out (counted below)
@@ -958,6 +980,10 @@ class Trainer:
       self.last_minibatches, self.last_step_adv = mbs, step_adv
       self.last_advantages = (before, after)
       histograms = {"adv_before": before, "adv_after": after}
+      logger.info("iteration %d: advantages and SALT done (merge rate %.2f); %s", it + 1,
+                  m.get("merge_rate", float("nan")),
+                  f"update over {len(mbs)} mini-batch(es) x {cfg.ppo_epochs} epoch(s)" if learn
+                  else "no update: every advantage is 0")
       upd = self._update(mbs, step_adv, k_shuffle) if learn else self._no_update()
       times["update"] = time.perf_counter() - t0
     m.update(upd)
@@ -982,6 +1008,7 @@ class Trainer:
       t0 = time.perf_counter()
       self.save()
       self._last_save_s = time.perf_counter() - t0
+      logger.info("iteration %d: checkpoint saved in %.1fs", it + 1, self._last_save_s)
     return row
 
   def _update(self, mbs: list[dict], step_adv, key) -> dict:
@@ -997,6 +1024,8 @@ class Trainer:
         self.params, self.opt_state, out = self._train_step(self.params, self.opt_state, mb,
                                                             step_adv)
         out = jax.device_get(out)
+        logger.debug("update: mini-batch %d, loss %.4f%s", i, float(out.get("loss", np.nan)),
+                     " (skipped: not finite)" if bool(out["skipped"]) else "")
         if bool(out["skipped"]):
           skipped += 1
           continue  # a NaN/inf mini-batch: its numbers are not averaged into the metrics

@@ -8,6 +8,7 @@ skipped elsewhere.
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 
@@ -44,6 +45,18 @@ def _random_folder(path, seed):
   return model
 
 
+_SETUP_LOG = []
+
+
+class _Recorder(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.messages = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   """A run of a model folder with checkpoints 0 (the folder's weights) and 2 (other random
@@ -52,7 +65,16 @@ def run(tmp_path_factory):
   _random_folder(start, seed=1)
   cfg = dataclasses.replace(CFG, model=start, out=str(tmp_path_factory.mktemp("run")))
   with Trainer(cfg) as tr:
-    tr.setup()
+    handler, logger = _Recorder(), logging.getLogger("salt_jax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+      tr.setup()
+    finally:
+      logger.removeHandler(handler)
+      logger.setLevel(level)
+    _SETUP_LOG.extend(handler.messages)
     tr.save()
     mcfg, _ = policy_config(cfg, tr.tokenizer)
     tr.params = nnx.split(load_state_dict(mcfg, random_state_dict(mcfg, seed=2, std=0.1),
@@ -153,11 +175,24 @@ def test_export_loads_in_transformers_4(run, exported, tmp_path, tf4):
   assert got["generation_eos"] == tok.eos_token_id
 
 
+@pytest.fixture(autouse=True)
+def _restore_logger():
+  """main() points the salt_jax logger at this test's captured stderr: undone afterwards."""
+  logger = logging.getLogger("salt_jax")
+  saved = (list(logger.handlers), logger.level, logger.propagate)
+  yield
+  logger.handlers[:] = saved[0]
+  logger.setLevel(saved[1])
+  logger.propagate = saved[2]
+
+
 def test_export_of_an_older_step_in_bfloat16(run, tmp_path, capsys):
   cfg, _, _ = run
   out = str(tmp_path / "bf16")
   assert main(["--run", cfg.out, "--step", "0", "--out", out, "--dtype", "bfloat16"]) == 0
-  assert "exported checkpoint 0" in capsys.readouterr().out
+  printed = capsys.readouterr()
+  assert "exported checkpoint 0" in printed.out
+  assert "salt_jax.export INFO export: reading checkpoint 0 of" in printed.err
   with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
     assert json.load(f)["dtype"] == "bfloat16"
   tm = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
@@ -168,6 +203,11 @@ def test_export_of_an_older_step_in_bfloat16(run, tmp_path, capsys):
   start = from_pretrained(cfg.model)
   for a, b in zip(jax.tree.leaves(nnx.state(start)), jax.tree.leaves(nnx.state(ours))):
     np.testing.assert_array_equal(np.asarray(a).astype("bfloat16"), np.asarray(b))
+
+
+def test_setup_logs_its_phases(run):
+  assert [m.split(":")[0] for m in _SETUP_LOG][:1] == ["setup"]
+  assert any(m.startswith("setup done in") and "parameters" in m for m in _SETUP_LOG)
 
 
 def test_export_errors_name_the_problem(run, tmp_path, capsys):

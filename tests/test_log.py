@@ -1,0 +1,48 @@
+"""salt_jax.log: the level from a flag or $SALT_JAX_LOG_LEVEL, one handler however often it is set
+up, and an application's own logging setup left alone."""
+
+import io
+import logging
+
+import pytest
+
+from salt_jax import log
+
+
+@pytest.fixture
+def clean_logger():
+  logger = logging.getLogger(log.LOGGER_NAME)
+  saved = (list(logger.handlers), logger.level, logger.propagate)
+  logger.handlers.clear()
+  yield logger
+  logger.handlers[:] = saved[0]
+  logger.setLevel(saved[1])
+  logger.propagate = saved[2]
+
+
+def test_level_from_flag_or_environment(monkeypatch):
+  monkeypatch.delenv(log.ENV_VAR, raising=False)
+  assert log.level_of(None) == logging.INFO
+  assert log.level_of("debug") == logging.DEBUG and log.level_of(logging.ERROR) == logging.ERROR
+  monkeypatch.setenv(log.ENV_VAR, "warning")
+  assert log.level_of(None) == logging.WARNING
+  with pytest.raises(ValueError, match="SALT_JAX_LOG_LEVEL"):
+    log.level_of("loud")
+
+
+def test_configure_writes_once_at_its_level(clean_logger):
+  first, second = io.StringIO(), io.StringIO()
+  log.configure("info", first)
+  log.configure("warning", second)  # replaces the first handler: no duplicate lines
+  child = logging.getLogger("salt_jax.train")
+  child.info("not shown")
+  child.warning("shown once")
+  assert first.getvalue() == "" and second.getvalue().count("shown once") == 1
+  assert "salt_jax.train WARNING shown once" in second.getvalue()
+
+
+def test_only_if_unset_keeps_the_applications_handler(clean_logger):
+  mine = logging.StreamHandler(io.StringIO())
+  clean_logger.addHandler(mine)
+  log.configure("debug", io.StringIO(), only_if_unset=True)
+  assert clean_logger.handlers == [mine]
