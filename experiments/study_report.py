@@ -19,24 +19,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Two-sided 95% Student t quantiles by degrees of freedom (no scipy needed).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-         9: 2.262, 10: 2.228}
 PAPER_COST = {"rollout": 240.0, "update": 30.0, "advantage": 0.05, "salt": 0.15}
 PAPER_ALFWORLD = {"GRPO": 81.8, "GRPO+SALT": 85.2, "RLOO": 79.2, "RLOO+SALT": 84.0}
 
 
 def interval(values: list[float], n_games: int) -> tuple[float, float, float]:
-  """(mean, low, high) of success rates: t-interval over seeds, or Wilson over one run's games."""
+  """(mean, low, high) of success rates: a 95% t-interval over seeds (scipy's Student t at n - 1
+  degrees of freedom), or over one run's games a 95% Wilson interval (scipy's binomtest)."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel  (installed with jax)
   if not values:
     return (math.nan, math.nan, math.nan)
   m = statistics.fmean(values)
   if len(values) == 1:
-    z, n = 1.96, max(n_games, 1)
-    centre = (m + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(m * (1 - m) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (m, max(0.0, centre - half), min(1.0, centre + half))
-  half = _T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    n = max(n_games, 1)
+    ci = stats.binomtest(round(m * n), n).proportion_ci(0.95, method="wilson")
+    return (m, max(0.0, ci.low), min(1.0, ci.high))
+  half = (stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values)
+          / math.sqrt(len(values)))
   return (m, max(0.0, m - half), min(1.0, m + half))  # a rate stays in [0, 1]
 
 

@@ -66,16 +66,20 @@ def test_unknown_experiment():
 def test_t_interval_matches_numpy():
   xs = [0.25, 0.5, 0.4375]
   m, lo, hi = study_report.interval(xs, 32)
-  half = 4.303 * np.std(xs, ddof=1) / math.sqrt(3)
+  half = 4.302653 * np.std(xs, ddof=1) / math.sqrt(3)  # t_{0.975, 2}
   assert m == pytest.approx(np.mean(xs))
   assert (lo, hi) == pytest.approx((np.mean(xs) - half, np.mean(xs) + half))
   assert study_report.interval([0.0, 0.05, 0.4], 32)[1] == 0.0  # clipped to [0, 1]
+  # Beyond 10 degrees of freedom too (the old table's end, where it fell back to 1.96).
+  ys = [0.1 * (i % 5) for i in range(12)]
+  m, lo, hi = study_report.interval(ys, 32)
+  assert hi - m == pytest.approx(2.200985 * np.std(ys, ddof=1) / math.sqrt(12), rel=1e-6)
 
 
 def test_wilson_interval_for_one_run():
   # 8 wins of 32: Wilson 95% interval, computed by hand.
   m, lo, hi = study_report.interval([0.25], 32)
-  z, n, p = 1.96, 32, 0.25
+  z, n, p = 1.959964, 32, 0.25  # z_{0.975}
   c = (p + z * z / (2 * n)) / (1 + z * z / n)
   h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
   assert (m, lo, hi) == pytest.approx((0.25, c - h, c + h))
