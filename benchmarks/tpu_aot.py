@@ -19,6 +19,12 @@ the topology's devices (`jax.experimental.topologies`). The programs are the one
 The run's settings are `TrainConfig.from_recipe('verl-agent')` (G=8, 16 tasks, prompts up to
 2048 tokens, responses up to 512, 256-row mini-batches) with the flags below on top.
 
+`--num-layers N` compiles the preset with N decoder layers (same widths): a full-depth compile of
+7B or 32B takes most of an hour on a shared 2-core host, and each layer adds the same bytes, so
+1- and 2-layer compiles give what `tpu_aot_table.py` carries to full depth. `--programs ,`
+compiles no program: the full-depth state a device holds (parameters, AdamW, reference), in
+seconds.
+
 For each program it prints, per device: the resident training state (parameters, AdamW state,
 reference parameters, whether or not the program takes them as arguments), the program's own
 arguments, outputs and temporaries (`memory_analysis`), and their total against the HBM the
@@ -112,11 +118,18 @@ class ProgramReport:
 
 def device_bytes(tree) -> int:
   """Bytes one device holds of a pytree of sharded ShapeDtypeStructs, as the compiler lays them
-  out (TPU tiles pad small dimensions): the argument size of a program that takes the tree."""
+  out (TPU tiles pad small dimensions): the argument size of a program that takes the tree; the
+  unpadded shards where the tree alone exceeds the device's HBM (the compiler refuses it)."""
   leaves = [x for x in jax.tree.leaves(tree) if x is not None]
   if not leaves:
     return 0
-  compiled = jax.jit(lambda t: jax.tree.map(lambda x: x[(0,) * x.ndim], t)).lower(leaves).compile()
+  try:
+    compiled = jax.jit(lambda t: jax.tree.map(lambda x: x[(0,) * x.ndim], t)).lower(
+        leaves).compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if _OOM_RE.search(str(e)) is None:
+      raise
+    return shard_bytes(leaves)
   return int(compiled.memory_analysis().argument_size_in_bytes)
 
 
@@ -403,6 +416,9 @@ def main(argv=None) -> int:
   ap.add_argument("--mesh", required=True, help="DxM over the topology's devices, e.g. 4x2")
   ap.add_argument("--model", required=True, choices=sorted(PRESETS))
   ap.add_argument("--programs", default=",".join(PROGRAMS))
+  ap.add_argument("--num-layers", type=int, default=None,
+                  help="the preset with this many decoder layers (same widths): a full-depth "
+                       "compile takes 2 to 50 minutes here; memory grows linearly with layers")
   ap.add_argument("--prompt-len", type=int, default=2048, help="longest prompt (tokens)")
   ap.add_argument("--param-dtype", default=None, choices=train.PARAM_DTYPES,
                   help="parameters, compute and AdamW state (default: the recipe's)")
@@ -436,9 +452,12 @@ def main(argv=None) -> int:
   ref_dtype = jnp.dtype(args.ref_dtype or config.param_dtype)
   shape = run_shape(config, mesh, args.prompt_len, ref_dtype)
   model_config = PRESETS[args.model]
+  if args.num_layers:
+    model_config = dataclasses.replace(model_config, num_layers=args.num_layers)
   chip = chip_figures(mesh)
   limit = compiler_hbm_limit(mesh)
-  print(f"{args.model} on {args.topology} ({mesh.devices.size} devices), mesh {args.mesh}; "
+  print(f"{args.model} ({model_config.num_layers} layers) on {args.topology} "
+        f"({mesh.devices.size} devices), mesh {args.mesh}; "
         f"params {config.param_dtype}, reference {ref_dtype.name}; mini-batch {shape.rows} rows "
         f"x {shape.seq_len} tokens, micro-batch {config.microbatch_rows or shape.rows} rows, "
         f"log-prob chunk {config.logprob_chunk}; sampler batch {shape.sampler_batch}, "
@@ -448,14 +467,16 @@ def main(argv=None) -> int:
                            flops=not args.no_flops)
   state = reports.pop("_state")
   resident = state["opt_state"] + state["ref_params"]  # the sampler takes the params
-  reports.update(compile_sampler(shape, mesh, model_config, args.prompt_len,
-                                 [p for p in programs if p in ("prefill", "decode")],
-                                 resident_bytes=resident))
+  sampler_programs = [p for p in programs if p in ("prefill", "decode")]
+  if sampler_programs:
+    reports.update(compile_sampler(shape, mesh, model_config, args.prompt_len, sampler_programs,
+                                   resident_bytes=resident))
   reports = {k: reports[k] for k in PROGRAMS if k in reports}
   print(format_report(reports, state, chip, limit, args.utilisation), flush=True)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(dict(model=args.model, topology=args.topology, mesh=args.mesh,
+      json.dump(dict(model=args.model, num_layers=model_config.num_layers,
+                     topology=args.topology, prompt_len=args.prompt_len, mesh=args.mesh,
                      chip_config=args.chip_config, chip=chip, hbm_limit=limit, state=state,
                      rows=shape.rows, seq_len=shape.seq_len, config=config.to_json(),
                      ref_dtype=ref_dtype.name,
