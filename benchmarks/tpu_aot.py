@@ -20,10 +20,10 @@ The run's settings are `TrainConfig.from_recipe('verl-agent')` (G=8, 16 tasks, p
 2048 tokens, responses up to 512, 256-row mini-batches) with the flags below on top.
 
 `--num-layers N` compiles the preset with N decoder layers (same widths): a full-depth compile of
-7B or 32B takes most of an hour on a shared 2-core host, and each layer adds the same bytes, so
-1- and 2-layer compiles give what `tpu_aot_table.py` carries to full depth. `--programs ,`
-compiles no program: the full-depth state a device holds (parameters, AdamW, reference), in
-seconds.
+7B or 32B takes 20 minutes to hours on a shared 2-core host, while 1- and 2-layer compiles take
+2 to 5 minutes and `tpu_aot_table.py` carries them to full depth (each layer adds the same bytes
+until the compiler rematerializes to fit; see its docstring). `--programs ,` compiles no
+program: the full-depth state a device holds (parameters, AdamW, reference), in seconds.
 
 For each program it prints, per device: the resident training state (parameters, AdamW state,
 reference parameters, whether or not the program takes them as arguments), the program's own

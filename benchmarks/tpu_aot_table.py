@@ -2,12 +2,17 @@
 
   python benchmarks/tpu_aot_table.py docs/tpu_aot/*.json
 
-A full-depth compile of 7B or 32B takes 50 minutes to hours on this shared 2-core host, so most
+A full-depth compile of 7B or 32B takes 20 minutes to hours on this shared 2-core host, so most
 runs are compiled at 1 and 2 decoder layers (`--num-layers`, same widths) and carried to the
-preset's depth linearly: every part of a device's memory (parameters, AdamW state, reference,
-the activations the backward pass keeps, one per layer) grows by the same bytes with each layer,
-and the 1-layer figure holds the embedding, the head and the log-probs' chunk. A file written
-with `--programs ,` holds the full-depth state alone (cheap: no program compiled), shown beside.
+preset's depth linearly: the parameters, AdamW state and reference grow by the same bytes with
+each layer, and so do the activations the backward pass keeps (the 1-layer figure holds the
+embedding, the head and the log-probs' chunk). The carry is what the program needs without the
+compiler's own rematerialization, which XLA:TPU applies only where a program would not fit: on
+Qwen2.5-1.5B (v4-8, 4x2, 4-row micro-batches) 1, 2 and 3 layers carry to 14.3 GiB of
+temporaries where the 28-layer compile rematerializes down to 11.8 GiB and fits. So a carried
+"yes" fits; a carried "NO" says the run needs more than the device holds unless the compiler
+can recompute the difference, which only a full-depth compile answers. A file written with
+`--programs ,` holds the full-depth state alone (no program compiled), shown beside.
 
 Rows: per device, in GiB, `total` = resident + arguments + outputs not aliased + temporaries
 (the compiler's needed figure where it refused the program) at full depth, against the HBM the
