@@ -75,16 +75,21 @@ def rows(files: list[str]) -> list[dict]:
   for key, runs in sorted(by_key.items(), key=lambda kv: str(kv[0])):
     d0 = next(iter(runs.values()))[0]
     full = PRESETS[d0["model"]].num_layers
+    shallow = sorted((n, r) for n, r in runs.items() if n < full)[-2:]
+    carried = None
+    if len(shallow) == 2:  # the two deepest compiles below full depth
+      (a, (d, pa)), (b, (_, pb)) = shallow
+      fa, fb = _parts(pa), _parts(pb)
+      carried = tuple(y + (full - b) * (y - x) / (b - a) for x, y in zip(fa, fb))
+      carry_basis = f"carried from {a} and {b} layers" + (
+          "" if pa["fits"] and pb["fits"] else " (compiler's needed figure)")
     if full in runs:
       d, p = runs[full]
       parts, basis, fits = _parts(p), f"compiled, {full} layers", p["fits"]
-    elif len(runs) >= 2:
-      (a, (d, pa)), (b, (_, pb)) = sorted(runs.items())[-2:]  # the two deepest compiles
-      fa, fb = _parts(pa), _parts(pb)
-      parts = tuple(y + (full - b) * (y - x) / (b - a) for x, y in zip(fa, fb))
-      fits = None  # decided against the limit below
-      basis = f"carried from {a} and {b} layers" + ("" if pa["fits"] and pb["fits"] else
-                                                      " (compiler's needed figure)")
+      if carried:
+        basis += f" ({carry_basis}: {sum(carried) / GIB:.2f})"
+    elif carried:
+      parts, basis, fits = carried, carry_basis, None  # fits: decided against the limit below
     else:
       continue
     total = sum(parts)
@@ -112,7 +117,8 @@ def markdown(table: list[dict]) -> str:
     micro = r["micro"] or r["minibatch"] or "-"
     lines.append(
         f"| {r['model']} | {r['topology']} | {r['mesh']} | {r['dtype']} / {r['ref_dtype']} | "
-        f"{micro} | {r['program']} | {'yes' if r['fits'] else 'NO'} | {state} | "
+        f"{micro} | {r['program']} | {'yes' if r['fits'] else 'NO'}"
+        f"{' (nothing else)' if r['program'] == '(state alone)' else ''} | {state} | "
         + " | ".join(g(x) for x in r["parts"])
         + f" | {g(r['total'])} / {g(r['limit'])} | {r['basis']} |")
   return "\n".join(lines)
