@@ -37,6 +37,7 @@ def _key(d: dict, name: str) -> tuple:
   c = d["config"]
   return (d["model"], d["topology"], d.get("chip_config"), d["mesh"], c["param_dtype"],
           d["ref_dtype"], c["minibatch_rows"], c["microbatch_rows"], d.get("prompt_len", 2048),
+          name + (" (state as args)" if name and d.get("resident_as_args") else "") if name else
           name)
 
 
@@ -94,7 +95,9 @@ def rows(files: list[str]) -> list[dict]:
       continue
     total = sum(parts)
     limit = d["hbm_limit"]
-    if fits is None:
+    if fits is None or total > limit:  # the program may fit while the state beside it does not
+      if fits:
+        basis += "; the program alone fits, not with the resident state beside it"
       fits = total <= limit
     state = states.get(key[:6], {}).get("state")
     out.append(dict(key=key, model=d["model"], topology=d["topology"] + (

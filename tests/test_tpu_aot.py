@@ -129,3 +129,17 @@ def test_table_carries_shallow_compiles_to_full_depth(tmp_path):
   assert not row["fits"]
   assert "| qwen2.5-7b | v4:2x2x1 | 4x2 | bfloat16 / bfloat16 | 4 | update | NO |" in (
       tpu_aot_table.markdown([row]))
+
+
+@pytest.mark.slow  # two compiles of the update
+def test_resident_state_as_kept_arguments(mesh):
+  shape = tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32))
+  plain = tpu_aot.compile_update(shape, mesh, MODEL, ["update"], flops=False)
+  held = tpu_aot.compile_update(shape, mesh, MODEL, ["update"], flops=False,
+                                resident_as_args=True)
+  state = held.pop("_state")
+  p, h = plain["update"], held["update"]
+  assert h.fits and h.resident_bytes == 0 and p.resident_bytes == state["ref_params"]
+  # The reference is now an argument the compiler counts, and nothing else changed.
+  assert h.argument_bytes == p.argument_bytes + state["ref_params"]
+  assert h.alias_bytes == p.alias_bytes and h.output_bytes == p.output_bytes
