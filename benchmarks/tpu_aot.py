@@ -496,7 +496,8 @@ def main(argv=None) -> int:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(dict(model=args.model, num_layers=model_config.num_layers,
                      topology=args.topology, prompt_len=args.prompt_len, mesh=args.mesh,
-                     chip_config=args.chip_config, resident_as_args=args.resident_as_args, chip=chip, hbm_limit=limit, state=state,
+                     chip_config=args.chip_config, resident_as_args=args.resident_as_args,
+                     chip=chip, hbm_limit=limit, state=state,
                      rows=shape.rows, seq_len=shape.seq_len, config=config.to_json(),
                      ref_dtype=ref_dtype.name,
                      programs={k: {**dataclasses.asdict(v), "total_bytes": v.total_bytes}
