@@ -19,6 +19,12 @@ the topology's devices (`jax.experimental.topologies`). The programs are the one
 The run's settings are `TrainConfig.from_recipe('verl-agent')` (G=8, 16 tasks, prompts up to
 2048 tokens, responses up to 512, 256-row mini-batches) with the flags below on top.
 
+`--num-layers N` compiles the preset with N decoder layers (same widths): a full-depth compile of
+7B or 32B takes 20 minutes to hours on a shared 2-core host, while 1- and 2-layer compiles take
+2 to 5 minutes and `tpu_aot_table.py` carries them to full depth (each layer adds the same bytes
+until the compiler rematerializes to fit; see its docstring). `--programs ,` compiles no
+program: the full-depth state a device holds (parameters, AdamW, reference), in seconds.
+
 For each program it prints, per device: the resident training state (parameters, AdamW state,
 reference parameters, whether or not the program takes them as arguments), the program's own
 arguments, outputs and temporaries (`memory_analysis`), and their total against the HBM the
@@ -112,11 +118,18 @@ class ProgramReport:
 
 def device_bytes(tree) -> int:
   """Bytes one device holds of a pytree of sharded ShapeDtypeStructs, as the compiler lays them
-  out (TPU tiles pad small dimensions): the argument size of a program that takes the tree."""
+  out (TPU tiles pad small dimensions): the argument size of a program that takes the tree; the
+  unpadded shards where the tree alone exceeds the device's HBM (the compiler refuses it)."""
   leaves = [x for x in jax.tree.leaves(tree) if x is not None]
   if not leaves:
     return 0
-  compiled = jax.jit(lambda t: jax.tree.map(lambda x: x[(0,) * x.ndim], t)).lower(leaves).compile()
+  try:
+    compiled = jax.jit(lambda t: jax.tree.map(lambda x: x[(0,) * x.ndim], t)).lower(
+        leaves).compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if _OOM_RE.search(str(e)) is None:
+      raise
+    return shard_bytes(leaves)
   return int(compiled.memory_analysis().argument_size_in_bytes)
 
 
@@ -252,8 +265,15 @@ def run_shape(config: train.TrainConfig, mesh: Mesh, prompt_len: int, ref_dtype)
 
 def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
                    programs: Sequence[str] = ("update", "logprobs"),
-                   flops: bool = True) -> dict[str, ProgramReport]:
-  """The trainer's update and log-prob programs at `shape`, compiled for `mesh`."""
+                   flops: bool = True, resident_as_args: bool = False
+                   ) -> dict[str, ProgramReport]:
+  """The trainer's update and log-prob programs at `shape`, compiled for `mesh`.
+
+  resident_as_args: hand each program the state it does not take (the reference beside the
+    update; the policy and AdamW state beside the log-probs) as a kept, unused argument, so the
+    compiler's HBM limit counts it: XLA:TPU rematerializes only as far as a program needs to fit
+    that limit, and otherwise fits a program that the device, holding the rest, would not.
+  """
   cfg = shape.config
   dtype = jnp.dtype(cfg.param_dtype)
   _, graphdef, params = abstract_policy(model_config, mesh, dtype)
@@ -285,9 +305,18 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
       resident = ref_b
     else:  # the reference log-probs: the policy and its optimizer state stay resident
       resident = param_b + opt_b
-    report, _ = compile_program(name, fn, args_for(name, shape.rows, shape.seq_len,
-                                                   params if name == "update" else ref_params),
-                                resident)
+    args = args_for(name, shape.rows, shape.seq_len, params if name == "update" else ref_params)
+    if resident_as_args:
+      held = ref_params if name == "update" else (params, opt_state)
+      fn = jax.jit(lambda _held, *a, fn=fn: fn(*a), keep_unused=True,
+                   donate_argnums=(1, 2) if name == "update" else (),
+                   out_shardings=(jax.tree.map(lambda x: x.sharding, params),
+                                  jax.tree.map(lambda x: x.sharding, opt_state), None)
+                   if name == "update" else None)
+      args, resident = (held, *args), 0
+    report, _ = compile_program(name, fn, args, resident)
+    if resident_as_args:
+      report.note = "resident state passed as a kept argument"
     out[name] = report
     report.flops = None  # the compiled count holds one pass of each loop: not the step's
     if not flops:
@@ -403,6 +432,9 @@ def main(argv=None) -> int:
   ap.add_argument("--mesh", required=True, help="DxM over the topology's devices, e.g. 4x2")
   ap.add_argument("--model", required=True, choices=sorted(PRESETS))
   ap.add_argument("--programs", default=",".join(PROGRAMS))
+  ap.add_argument("--num-layers", type=int, default=None,
+                  help="the preset with this many decoder layers (same widths): a full-depth "
+                       "compile takes 2 to 50 minutes here; memory grows linearly with layers")
   ap.add_argument("--prompt-len", type=int, default=2048, help="longest prompt (tokens)")
   ap.add_argument("--param-dtype", default=None, choices=train.PARAM_DTYPES,
                   help="parameters, compute and AdamW state (default: the recipe's)")
@@ -413,6 +445,9 @@ def main(argv=None) -> int:
   ap.add_argument("--logprob-chunk", type=int, default=None)
   ap.add_argument("--utilisation", type=float, default=0.4,
                   help="share of peak FLOP/s assumed for the second step time")
+  ap.add_argument("--resident-as-args", action="store_true",
+                  help="the update and log-probs get the state they do not take as a kept, "
+                       "unused argument, so the compiler's HBM limit counts it")
   ap.add_argument("--no-flops", action="store_true",
                   help="skip the update's and log-probs' FLOP twins (two fewer compiles)")
   ap.add_argument("--json", default=None, help="also write the figures here")
@@ -436,27 +471,33 @@ def main(argv=None) -> int:
   ref_dtype = jnp.dtype(args.ref_dtype or config.param_dtype)
   shape = run_shape(config, mesh, args.prompt_len, ref_dtype)
   model_config = PRESETS[args.model]
+  if args.num_layers:
+    model_config = dataclasses.replace(model_config, num_layers=args.num_layers)
   chip = chip_figures(mesh)
   limit = compiler_hbm_limit(mesh)
-  print(f"{args.model} on {args.topology} ({mesh.devices.size} devices), mesh {args.mesh}; "
+  print(f"{args.model} ({model_config.num_layers} layers) on {args.topology} "
+        f"({mesh.devices.size} devices), mesh {args.mesh}; "
         f"params {config.param_dtype}, reference {ref_dtype.name}; mini-batch {shape.rows} rows "
         f"x {shape.seq_len} tokens, micro-batch {config.microbatch_rows or shape.rows} rows, "
         f"log-prob chunk {config.logprob_chunk}; sampler batch {shape.sampler_batch}, "
         f"cache {config.max_cache_len}", flush=True)
   reports = compile_update(shape, mesh, model_config,
                            [p for p in programs if p in ("update", "logprobs")],
-                           flops=not args.no_flops)
+                           flops=not args.no_flops, resident_as_args=args.resident_as_args)
   state = reports.pop("_state")
   resident = state["opt_state"] + state["ref_params"]  # the sampler takes the params
-  reports.update(compile_sampler(shape, mesh, model_config, args.prompt_len,
-                                 [p for p in programs if p in ("prefill", "decode")],
-                                 resident_bytes=resident))
+  sampler_programs = [p for p in programs if p in ("prefill", "decode")]
+  if sampler_programs:
+    reports.update(compile_sampler(shape, mesh, model_config, args.prompt_len, sampler_programs,
+                                   resident_bytes=resident))
   reports = {k: reports[k] for k in PROGRAMS if k in reports}
   print(format_report(reports, state, chip, limit, args.utilisation), flush=True)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(dict(model=args.model, topology=args.topology, mesh=args.mesh,
-                     chip_config=args.chip_config, chip=chip, hbm_limit=limit, state=state,
+      json.dump(dict(model=args.model, num_layers=model_config.num_layers,
+                     topology=args.topology, prompt_len=args.prompt_len, mesh=args.mesh,
+                     chip_config=args.chip_config, resident_as_args=args.resident_as_args,
+                     chip=chip, hbm_limit=limit, state=state,
                      rows=shape.rows, seq_len=shape.seq_len, config=config.to_json(),
                      ref_dtype=ref_dtype.name,
                      programs={k: {**dataclasses.asdict(v), "total_bytes": v.total_bytes}

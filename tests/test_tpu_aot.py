@@ -101,3 +101,45 @@ def test_a_program_larger_than_hbm_is_reported_not_raised(mesh):
                                              (big,), resident_bytes=0)
   assert compiled is None and not report.fits
   assert report.needed_bytes > tpu_aot.compiler_hbm_limit(mesh)
+
+
+def test_table_carries_shallow_compiles_to_full_depth(tmp_path):
+  import tpu_aot_table  # pylint: disable=import-outside-toplevel
+
+  def write(name, layers, programs, state=None):
+    d = dict(model="qwen2.5-7b", num_layers=layers, topology="v4:2x2x1", prompt_len=2048,
+             mesh="4x2", chip_config=None, hbm_limit=15 * tpu_aot.GIB, ref_dtype="bfloat16",
+             config=dict(param_dtype="bfloat16", minibatch_rows=256, microbatch_rows=4),
+             state=state or {}, programs=programs)
+    (tmp_path / name).write_text(__import__("json").dumps(d))
+    return str(tmp_path / name)
+
+  def update(layers):  # 1 GiB of temporaries and 0.1 GiB of reference a layer, 2 GiB beside
+    g = tpu_aot.GIB
+    return {"update": dict(fits=True, resident_bytes=int(0.1 * g * layers), argument_bytes=g,
+                           output_bytes=g, alias_bytes=g, temp_bytes=2 * g + layers * g,
+                           needed_bytes=None)}
+
+  state = dict(params=1, opt_state=2, ref_params=1)
+  files = [write("a.json", 1, update(1)), write("b.json", 2, update(2)),
+           write("s.json", 28, {}, state)]
+  (row,) = tpu_aot_table.rows(files)
+  assert row["basis"] == "carried from 1 and 2 layers" and row["state"] == state
+  assert row["total"] == pytest.approx((2.8 + 1 + 30) * tpu_aot.GIB)  # 28 layers
+  assert not row["fits"]
+  assert "| qwen2.5-7b | v4:2x2x1 | 4x2 | bfloat16 / bfloat16 | 4 | update | NO |" in (
+      tpu_aot_table.markdown([row]))
+
+
+@pytest.mark.slow  # two compiles of the update
+def test_resident_state_as_kept_arguments(mesh):
+  shape = tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32))
+  plain = tpu_aot.compile_update(shape, mesh, MODEL, ["update"], flops=False)
+  held = tpu_aot.compile_update(shape, mesh, MODEL, ["update"], flops=False,
+                                resident_as_args=True)
+  state = held.pop("_state")
+  p, h = plain["update"], held["update"]
+  assert h.fits and h.resident_bytes == 0 and p.resident_bytes == state["ref_params"]
+  # The reference is now an argument the compiler counts, and nothing else changed.
+  assert h.argument_bytes == p.argument_bytes + state["ref_params"]
+  assert h.alias_bytes == p.alias_bytes and h.output_bytes == p.output_bytes

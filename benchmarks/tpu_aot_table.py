@@ -1,0 +1,137 @@
+"""The performance doc's TPU table from the JSON files `tpu_aot.py --json` wrote (docs/tpu_aot/).
+
+  python benchmarks/tpu_aot_table.py docs/tpu_aot/*.json
+
+A full-depth compile of 7B or 32B takes 20 minutes to hours on this shared 2-core host, so most
+runs are compiled at 1 and 2 decoder layers (`--num-layers`, same widths) and carried to the
+preset's depth linearly: the parameters, AdamW state and reference grow by the same bytes with
+each layer, and so do the activations the backward pass keeps (the 1-layer figure holds the
+embedding, the head and the log-probs' chunk). The carry is what the program needs without the
+compiler's own rematerialization, which XLA:TPU applies only where a program would not fit: on
+Qwen2.5-1.5B (v4-8, 4x2, 4-row micro-batches) 1, 2 and 3 layers carry to 14.3 GiB of
+temporaries where the 28-layer compile rematerializes down to 11.8 GiB and fits. So a carried
+"yes" fits; a carried "NO" says the run needs more than the device holds unless the compiler
+can recompute the difference, which only a full-depth compile answers. A file written with
+`--programs ,` holds the full-depth state alone (no program compiled), shown beside.
+
+Rows: per device, in GiB, `total` = resident + arguments + outputs not aliased + temporaries
+(the compiler's needed figure where it refused the program) at full depth, against the HBM the
+compiler allows a device; `basis` says whether the figure is compiled at full depth or carried
+from 1 and 2 layers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from salt_jax.models.config import PRESETS  # noqa: E402
+
+GIB = 2**30
+
+
+def _key(d: dict, name: str) -> tuple:
+  c = d["config"]
+  return (d["model"], d["topology"], d.get("chip_config"), d["mesh"], c["param_dtype"],
+          d["ref_dtype"], c["minibatch_rows"], c["microbatch_rows"], d.get("prompt_len", 2048),
+          name + (" (state as args)" if name and d.get("resident_as_args") else "") if name else
+          name)
+
+
+def _parts(p: dict) -> tuple[float, float, float, float]:
+  """(resident, arguments, outputs not aliased, temporaries or the compiler's needed figure)."""
+  if p["fits"]:
+    return (p["resident_bytes"], p["argument_bytes"], p["output_bytes"] - p["alias_bytes"],
+            p["temp_bytes"])
+  return p["resident_bytes"], p["argument_bytes"], 0, p["needed_bytes"]
+
+
+def rows(files: list[str]) -> list[dict]:
+  """One row per (run, program): its figures at the preset's full depth."""
+  by_key = collections.defaultdict(dict)
+  states = {}
+  for f in files:
+    with open(f, encoding="utf-8") as fh:
+      d = json.load(fh)
+    d["file"] = f
+    if not d["programs"]:
+      states[_key(d, None)[:6]] = d
+    for name, p in d["programs"].items():
+      by_key[_key(d, name)][d.get("num_layers")] = (d, p)
+  out = []
+  for skey, d in states.items():  # the state alone: params + AdamW + reference against the limit
+    if any(k[:6] == skey for k in by_key):
+      continue
+    st = d["state"]
+    total = st["params"] + st["opt_state"] + st["ref_params"]
+    out.append(dict(key=skey, model=d["model"], topology=d["topology"] + (
+        f" ({d['chip_config']})" if d.get("chip_config") else ""), mesh=d["mesh"], dtype=skey[4],
+                    ref_dtype=skey[5], micro=None, minibatch=None, prompt=None,
+                    program="(state alone)", parts=(total, 0, 0, 0), total=total,
+                    limit=d["hbm_limit"], fits=total <= d["hbm_limit"],
+                    basis=f"compiled, {d['num_layers']} layers", state=st, files=[d["file"]]))
+  for key, runs in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+    d0 = next(iter(runs.values()))[0]
+    full = PRESETS[d0["model"]].num_layers
+    shallow = sorted((n, r) for n, r in runs.items() if n < full)[-2:]
+    carried = None
+    if len(shallow) == 2:  # the two deepest compiles below full depth
+      (a, (d, pa)), (b, (_, pb)) = shallow
+      fa, fb = _parts(pa), _parts(pb)
+      carried = tuple(y + (full - b) * (y - x) / (b - a) for x, y in zip(fa, fb))
+      carry_basis = f"carried from {a} and {b} layers" + (
+          "" if pa["fits"] and pb["fits"] else " (compiler's needed figure)")
+    if full in runs:
+      d, p = runs[full]
+      parts, basis, fits = _parts(p), f"compiled, {full} layers", p["fits"]
+      if carried:
+        basis += f" ({carry_basis}: {sum(carried) / GIB:.2f})"
+    elif carried:
+      parts, basis, fits = carried, carry_basis, None  # fits: decided against the limit below
+    else:
+      continue
+    total = sum(parts)
+    limit = d["hbm_limit"]
+    if fits is None or total > limit:  # the program may fit while the state beside it does not
+      if fits:
+        basis += "; the program alone fits, not with the resident state beside it"
+      fits = total <= limit
+    state = states.get(key[:6], {}).get("state")
+    out.append(dict(key=key, model=d["model"], topology=d["topology"] + (
+        f" ({d['chip_config']})" if d.get("chip_config") else ""), mesh=d["mesh"],
+                    dtype=key[4], ref_dtype=key[5], micro=key[7], minibatch=key[6],
+                    prompt=key[8], program=key[9], parts=parts, total=total, limit=limit,
+                    fits=fits, basis=basis, state=state, files=[r[0]["file"] for r in
+                                                               runs.values()]))
+  return out
+
+
+def markdown(table: list[dict]) -> str:
+  g = lambda x: f"{x / GIB:.2f}"  # noqa: E731
+  lines = ["| model | slice | mesh | params / ref | rows a pass | program | fits | state "
+           "(params, AdamW, ref) | resident | args | out - alias | temp | total / allowed | "
+           "basis |", "| " + " | ".join(["---"] * 14) + " |"]
+  for r in table:
+    st = r["state"]
+    state = "-" if not st else f"{g(st['params'])}, {g(st['opt_state'])}, {g(st['ref_params'])}"
+    micro = r["micro"] or r["minibatch"] or "-"
+    lines.append(
+        f"| {r['model']} | {r['topology']} | {r['mesh']} | {r['dtype']} / {r['ref_dtype']} | "
+        f"{micro} | {r['program']} | {'yes' if r['fits'] else 'NO'}"
+        f"{' (nothing else)' if r['program'] == '(state alone)' else ''} | {state} | "
+        + " | ".join(g(x) for x in r["parts"])
+        + f" | {g(r['total'])} / {g(r['limit'])} | {r['basis']} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  files = (argv if argv is not None else sys.argv[1:])
+  print(markdown(rows(files)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
