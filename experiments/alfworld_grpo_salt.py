@@ -10,7 +10,7 @@
 Without --model the policy is a tiny random-init Qwen2 (2 layers, d_model 64, tied embeddings)
 over the offline Qwen2.5 tokenizer: it runs on a CPU in minutes but writes no valid action until
 --sft-warmstart clones ALFWorld's handcoded expert first (or start from the policy
-experiments/build_default_policy.py clones, with --model). Flags -> `salt_jax.train.TrainConfig`;
+experiments/build_alfworld_policy.py clones, with --model). Flags -> `salt_jax.train.TrainConfig`;
 see `python experiments/alfworld_grpo_salt.py --help`.
 
 This file also holds the command line shared with textworld_grpo_salt.py and sft_warmstart.py.
@@ -193,8 +193,8 @@ def _trainer_or_exit(cfg):
     raise SystemExit(f"error: {e}") from None
 
 
-def parse_config(env: str, defaults: dict, argv=None):
-  """(flags, `TrainConfig`) of a command line; sets the CPU device count for --mesh first."""
+def main(env: str, defaults: dict, argv=None) -> int:
+  """Parses flags, validates them before any work, optionally warm-starts, then trains."""
   args = parser(env, defaults).parse_args(argv)
   if args.recipe is not None:
     recipe = _recipe(args.recipe)
@@ -233,12 +233,7 @@ def parse_config(env: str, defaults: dict, argv=None):
       reward_scale=args.reward_scale, invalid_action_penalty=args.invalid_action_penalty,
       penalty_scope=args.penalty_scope, invalid_step=args.invalid_step,
       group_stats=args.group_stats)
-  return args, TrainConfig(**{**recipe, **flags})  # recipe values without a flag, then flags
-
-
-def main(env: str, defaults: dict, argv=None) -> int:
-  """Parses flags, validates them before any work, optionally warm-starts, then trains."""
-  args, cfg = parse_config(env, defaults, argv)
+  cfg = TrainConfig(**{**recipe, **flags})  # recipe values without a flag, then the flags
   from sft_warmstart import SFT_SUBDIR, warm_start
   sft_path = os.path.abspath(os.path.join(cfg.out, SFT_SUBDIR))  # as warm_start names it
   resumed_warm = args.sft_warmstart and args.resume and os.path.isdir(sft_path)

@@ -43,7 +43,7 @@ def expert_demos(split: str, max_steps: int, cache: str | None, num_tasks: int |
       return pickle.load(fh)
   # pylint: disable=import-outside-toplevel
   from envs.registry import make_env, task_list
-  from salt_jax import sft
+  from salt_jax import sft, train
   tasks = task_list("alfworld", split)[:num_tasks]
   env = make_env("alfworld", expert=True, max_steps=max_steps)
   try:
@@ -55,16 +55,6 @@ def expert_demos(split: str, max_steps: int, cache: str | None, num_tasks: int |
     with open(cache, "wb") as fh:
       pickle.dump(demos, fh)
   return demos
-
-
-def demo_texts(demos) -> list[str]:
-  """Every observation, admissible list and action of the episodes: the tokenizer's corpus."""
-  texts = []
-  for d in demos:
-    texts += [d.first_observation, " ".join(d.first_admissible or ()), *d.observations,
-              " ".join(d.actions)]
-    texts += [" ".join(a or ()) for a in d.admissible]
-  return texts
 
 
 def main(argv=None) -> int:
@@ -93,9 +83,9 @@ def main(argv=None) -> int:
   import jax
   from flax import nnx
 
-  from salt_jax import sft
+  from salt_jax import sft, train
   from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
-  from salt_jax.models import CausalLM, ModelConfig, save_pretrained
+  from salt_jax.models import CausalLM, save_pretrained
   from salt_jax.models.tokenizer import save_tokenizer
 
   t0 = time.perf_counter()
@@ -105,27 +95,27 @@ def main(argv=None) -> int:
         f"{args.demo_max_steps} steps ({sum(len(d.actions) for d in won)} steps) "
         f"[{time.perf_counter() - t0:.0f}s]", flush=True)
 
-  tok = toy_chat_tokenizer(args.vocab, extra_texts=demo_texts(demos))
+  tok = toy_chat_tokenizer(args.vocab, extra_texts=sft.demo_texts(demos))
   prompt_config = PromptConfig(history_window=HISTORY_WINDOW)
-  vocab = -(-len(tok) // 64) * 64
-  mcfg = ModelConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                     num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                     head_dim=args.hidden // args.heads, tie_word_embeddings=True,
-                     eos_token_id=tok.convert_tokens_to_ids(tok.eos_token),
-                     max_position_embeddings=MAX_LENGTH)
+  shape = dict(hidden_size=args.hidden, intermediate_size=args.intermediate,
+               num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+               head_dim=args.hidden // args.heads)
+  mcfg, _ = train.policy_config(train.TrainConfig(tiny_policy=shape, max_cache_len=MAX_LENGTH),
+                                tok)
   model = CausalLM(mcfg, rngs=nnx.Rngs(args.seed))
-  batch = sft.demo_token_batch(won, tok, pad_id=tok.pad_token_id, prompt_config=prompt_config,
-                               layout="step", min_length=64,
-                               max_length=MAX_LENGTH)
+
+  def step_rows(episodes):
+    return sft.demo_token_batch(episodes, tok, pad_id=tok.pad_token_id,
+                                prompt_config=prompt_config, layout="step", min_length=64,
+                                max_length=MAX_LENGTH)
+  batch = step_rows(won)
   lengths = batch.attention_mask.sum(axis=1)
   print(f"[build] tokenizer: {len(tok)} tokens; {batch.input_ids.shape[0]} step rows, prompt+"
         f"response tokens mean {lengths.mean():.0f}, max {lengths.max()}; policy "
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,} parameters",
         flush=True)
   # The loss before and after, on the first 12 episodes' rows (all rows would take minutes).
-  probe = sft.demo_token_batch(won[:12], tok, pad_id=tok.pad_token_id,
-                               prompt_config=prompt_config, layout="step", min_length=64,
-                               max_length=MAX_LENGTH)
+  probe = step_rows(won[:12])
   before = sft.nll(model, probe)
   t1 = time.perf_counter()
   losses = sft.behaviour_clone(model, batch, sft.SFTConfig(

@@ -70,6 +70,16 @@ def collect_demos(env, tasks: Sequence[Task], seeds: Sequence[int] = (0,),
   return [d for d in demos if d.won or not only_won]
 
 
+def demo_texts(demos: Sequence[Demo]) -> list[str]:
+  """Every observation and admissible-action list of the episodes (a tokenizer's corpus; the
+  expert's actions are among the admissible ones)."""
+  texts = []
+  for d in demos:
+    texts += [d.first_observation, " ".join(d.first_admissible or ()), *d.observations]
+    texts += [" ".join(a or ()) for a in d.admissible]
+  return texts
+
+
 def demo_steps(demos: Sequence[Demo], tokenizer, prompt_config: PromptConfig = PromptConfig(),
                response_format: str = RESPONSE_FORMAT) -> tuple[list, list, np.ndarray]:
   """Per-step (prompt ids, response ids) as the agent loop would have produced them.

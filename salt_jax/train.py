@@ -391,11 +391,7 @@ def _env_texts(env: str, env_kwargs: dict) -> list[str]:
     demos = sft.collect_demos(game, tasks, max_steps=_TOY_CORPUS_STEPS, only_won=False)
   finally:
     game.close()
-  texts = []
-  for d in demos:
-    texts += [d.first_observation, " ".join(d.first_admissible or ()), *d.observations]
-    texts += [" ".join(a or ()) for a in d.admissible]
-  return texts
+  return sft.demo_texts(demos)
 
 
 @functools.lru_cache(maxsize=4)

@@ -139,3 +139,20 @@ def test_warm_start_script_saves_loadable_params(tmp_path, capsys):
   loaded = load_params(str(out / sft_warmstart.SFT_SUBDIR), fresh)
   assert jax.tree.structure(loaded) == jax.tree.structure(fresh)
   assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(fresh)))
+
+
+def test_demo_texts_hold_every_observation_and_admissible_list():
+  env = ToyEnv(max_steps=8, num_rooms=3)
+  demos = sft.collect_demos(env, toy_tasks(2), max_steps=8, only_won=False)
+  want = []
+  for d in demos:  # the reference: the episode's texts in the order it saw them
+    want.append(d.first_observation)
+    want.append(" ".join(d.first_admissible))
+    want.extend(d.observations)
+    want.extend(" ".join(a) for a in d.admissible)
+  assert sft.demo_texts(demos) == want
+  # The expert only plays admissible actions, so the corpus holds every action it took.
+  for d in demos:
+    lists = [d.first_admissible, *d.admissible]
+    assert all(a in lists[t] for t, a in enumerate(d.actions))
+  assert sft.demo_texts([]) == []
