@@ -22,7 +22,7 @@ from flax import nnx
 
 from salt_jax.logprobs import token_logprobs
 from salt_jax.models import CausalLM, ModelConfig, qwen2
-from salt_jax.train import TINY_POLICY
+from salt_jax.models.build import TINY_POLICY
 
 # The study's BPE has 646 tokens, rounded up to 704 by the trainer.
 VOCAB = 704

@@ -8,7 +8,7 @@ a Qwen2.5 preset's shape (`salt_jax.models.config.PRESETS`), its parameters and 
 `ShapeDtypeStruct`s on the mesh's `NamedSharding`s, and each program is lowered and compiled for
 the topology's devices (`jax.experimental.topologies`). The programs are the ones a run jits:
 
-  update    `salt_jax.train.update_programs`' train step: token log-probs (chunked over the
+  update    `salt_jax.update.update_programs`' train step: token log-probs (chunked over the
             sequence, each chunk's logits recomputed in the backward pass), the PPO-clip loss,
             micro-batched gradients, the optax (AdamW) update; one mini-batch of
             `minibatch_rows` rows of the step rows' bucketed length (`batching.bucket_length`).
@@ -67,7 +67,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
 from bench_gpu import chip_limits  # noqa: E402
-from salt_jax import batching, sampling, train  # noqa: E402
+from salt_jax import batching, sampling, update  # noqa: E402
+from salt_jax.config import PARAM_DTYPES, TrainConfig  # noqa: E402
 from salt_jax.models import CausalLM, ModelConfig, param_shardings  # noqa: E402
 from salt_jax.models.config import PRESETS  # noqa: E402
 from salt_jax.models.partitioning import ActivationSharding  # noqa: E402
@@ -248,14 +249,14 @@ def compiler_hbm_limit(mesh: Mesh) -> int | None:
 class RunShape:
   """What one run puts on the device: the config's settings and the derived program shapes."""
 
-  config: train.TrainConfig
+  config: TrainConfig
   rows: int          # mini-batch rows (a multiple of the data axis, as the trainer rounds)
   seq_len: int       # the update's bucketed row length
   sampler_batch: int
   ref_dtype: Any
 
 
-def run_shape(config: train.TrainConfig, mesh: Mesh, prompt_len: int, ref_dtype) -> RunShape:
+def run_shape(config: TrainConfig, mesh: Mesh, prompt_len: int, ref_dtype) -> RunShape:
   data = int(mesh.shape["data"])
   rows = -(-config.minibatch_rows // data) * data
   seq_len = batching.bucket_length(prompt_len + config.max_new_tokens, config.min_seq_len,
@@ -277,7 +278,7 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
   cfg = shape.config
   dtype = jnp.dtype(cfg.param_dtype)
   _, graphdef, params = abstract_policy(model_config, mesh, dtype)
-  tx = train.optimizer(cfg, train.lr_schedule(cfg))
+  tx = update.optimizer(cfg, update.lr_schedule(cfg))
   opt_state = abstract_opt_state(tx, params, mesh)
   ref_params = with_dtype(params, shape.ref_dtype)
   param_b, opt_b, ref_b = map(device_bytes, (params, opt_state, ref_params))
@@ -285,7 +286,7 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
       cfg.tasks_per_iter * cfg.group_size * cfg.max_steps, 64),), jnp.float32)
 
   def programs_for(config, rows):
-    return train.update_programs(config, graphdef, tx, rows,
+    return update.update_programs(config, graphdef, tx, rows,
                                  jax.tree.map(lambda x: x.sharding, params),
                                  jax.tree.map(lambda x: x.sharding, opt_state))
 
@@ -436,9 +437,9 @@ def main(argv=None) -> int:
                   help="the preset with this many decoder layers (same widths): a full-depth "
                        "compile takes 2 to 50 minutes here; memory grows linearly with layers")
   ap.add_argument("--prompt-len", type=int, default=2048, help="longest prompt (tokens)")
-  ap.add_argument("--param-dtype", default=None, choices=train.PARAM_DTYPES,
+  ap.add_argument("--param-dtype", default=None, choices=PARAM_DTYPES,
                   help="parameters, compute and AdamW state (default: the recipe's)")
-  ap.add_argument("--ref-dtype", default=None, choices=train.PARAM_DTYPES,
+  ap.add_argument("--ref-dtype", default=None, choices=PARAM_DTYPES,
                   help="reference parameters (default: as the parameters)")
   ap.add_argument("--minibatch-rows", type=int, default=None)
   ap.add_argument("--microbatch-rows", type=int, default=None)
@@ -457,7 +458,7 @@ def main(argv=None) -> int:
                                      minibatch_rows=args.minibatch_rows,
                                      microbatch_rows=args.microbatch_rows,
                                      logprob_chunk=args.logprob_chunk).items() if v is not None}
-  config = train.TrainConfig.from_recipe("verl-agent", **overrides)
+  config = TrainConfig.from_recipe("verl-agent", **overrides)
   programs = [p.strip() for p in args.programs.split(",") if p.strip()]
   unknown = set(programs) - set(PROGRAMS)
   if unknown:

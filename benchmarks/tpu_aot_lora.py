@@ -26,12 +26,13 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import salt_jax  # noqa: E402
-from salt_jax import batching, train  # noqa: E402
+from salt_jax import batching  # noqa: E402
+from salt_jax.config import TrainConfig  # noqa: E402
 from salt_jax.logprobs import token_logprobs_and_entropy  # noqa: E402
 from salt_jax.models.config import PRESETS  # noqa: E402
 
 
-def lora_step(graphdef, cfg: train.TrainConfig):
+def lora_step(graphdef, cfg: TrainConfig):
   """Gradients of the trainer's loss with respect to the norm scales alone (LoRA's stand-in)."""
   def step(state, mb, step_adv):
     scales = nnx.filter_state(state, lambda path, _: "scale" in map(str, path))
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> int:
   model_name, topology, mesh_shape = argv[:3]
   json_path = argv[argv.index("--json") + 1] if "--json" in argv else None
   mesh = tpu_aot.topology_mesh(topology, mesh_shape)
-  cfg = train.TrainConfig.from_recipe("verl-agent", param_dtype="bfloat16")
+  cfg = TrainConfig.from_recipe("verl-agent", param_dtype="bfloat16")
   rows = int(mesh.shape["data"])  # one row a data shard
   shape = tpu_aot.run_shape(cfg, mesh, 2048, jnp.dtype("bfloat16"))
   _, graphdef, state = tpu_aot.abstract_policy(PRESETS[model_name], mesh, jnp.bfloat16)

@@ -30,18 +30,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 import multiprocessing as mp
 import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Optional, Sequence
 
+from envs import registry
 from envs.base import EnvStep, Task, TextEnv
-
-# Names the pool can build without the registry, so tests never depend on other modules.
-_BUILTIN = {"toy": "envs.toy:ToyEnv"}
-
 
 @dataclasses.dataclass(frozen=True)
 class PoolStep(EnvStep):
@@ -66,20 +62,6 @@ class PoolStep(EnvStep):
     return cls(observation="", done=True, valid=False, failed=True, error=error)
 
 
-def make_env(env_name: str, env_kwargs: Optional[dict] = None) -> TextEnv:
-  """Builds an environment from a name: "toy", "package.module:Class", or a registry name.
-
-  Registry names go through `envs.registry.make_env` (imported on demand).
-  """
-  env_kwargs = dict(env_kwargs or {})
-  spec = _BUILTIN.get(env_name, env_name)
-  if ":" in spec:
-    module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)(**env_kwargs)
-  from envs import registry  # pylint: disable=import-outside-toplevel
-  return registry.make_env(env_name, **env_kwargs)
-
-
 def _call_env(envs: dict, env_name: str, env_kwargs: dict, kind: str, item: tuple) -> tuple:
   """One reset/step/replay on the instance of `item`'s slot: ("ok", EnvStep) or ("err", str)."""
   try:
@@ -91,7 +73,7 @@ def _call_env(envs: dict, env_name: str, env_kwargs: dict, kind: str, item: tupl
       return ("ok", env.step(item[1]))
     env = envs.get(slot)
     if env is None:
-      env = envs[slot] = make_env(env_name, env_kwargs)
+      env = envs[slot] = registry.make_env(env_name, **env_kwargs)
     out = env.reset(item[1], item[2])
     if kind == "replay":
       for action in item[3]:

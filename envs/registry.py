@@ -4,7 +4,9 @@
   make_env("textworld", quest_length=6)      -> envs.textworld_games.TextWorldEnv
   make_env("toy", num_rooms=5)               -> envs.toy.ToyEnv
   make_env("webshop", human_goals=True)      -> envs.webshop.WebShopEnv
+  make_env("tests.fakes:CrashingEnv")        -> any TextEnv class by "module:Class"
   task_list("alfworld", "valid_unseen")      -> the tasks of a split
+  entry("alfworld").train_split              -> its default splits (train, eval)
 
 Modules are imported on first use: a worker that plays the toy env never imports alfworld. Task
 lists accept the env's own keyword arguments too (e.g. `data_dir`, `quest_length`) and ignore the
@@ -35,12 +37,25 @@ class EnvSpec:
     return task_list(self.name, split, **{**self.kwargs, **kwargs})
 
 
-# name -> ("module:EnvClass", "module:task_function")
+@dataclasses.dataclass(frozen=True)
+class EnvEntry:
+  """One environment family: where its class and task function live, and its default splits."""
+
+  env: str                  # "module:EnvClass"
+  tasks: str                # "module:task_function"
+  train_split: str
+  eval_splits: tuple[str, ...]
+
+
+# The one registry of environments: the trainer, the worker pool and the scripts all read it.
 _REGISTRY = {
-    "alfworld": ("envs.alfworld:AlfWorldEnv", "envs.alfworld:alfworld_tasks"),
-    "textworld": ("envs.textworld_games:TextWorldEnv", "envs.textworld_games:textworld_tasks"),
-    "toy": ("envs.toy:ToyEnv", "envs.toy:toy_tasks"),
-    "webshop": ("envs.webshop:WebShopEnv", "envs.webshop:webshop_tasks"),
+    "alfworld": EnvEntry("envs.alfworld:AlfWorldEnv", "envs.alfworld:alfworld_tasks",
+                         "valid_train", ("valid_seen", "valid_unseen")),
+    "textworld": EnvEntry("envs.textworld_games:TextWorldEnv",
+                          "envs.textworld_games:textworld_tasks", "train", ("heldout",)),
+    "toy": EnvEntry("envs.toy:ToyEnv", "envs.toy:toy_tasks", "train", ("eval",)),
+    "webshop": EnvEntry("envs.webshop:WebShopEnv", "envs.webshop:webshop_tasks", "train",
+                        ("test",)),
 }
 
 
@@ -53,15 +68,27 @@ def _load(ref: str) -> Callable:
   return getattr(importlib.import_module(module), attr)
 
 
-def _entry(name: str) -> tuple[str, str]:
+def entry(name: str) -> EnvEntry:
+  """The registry entry of `name`; ValueError naming the known ones otherwise."""
   if name not in _REGISTRY:
     raise ValueError(f"unknown environment {name!r}; known: {names()}")
   return _REGISTRY[name]
 
 
 def make_env(name: str, **kwargs: Any) -> TextEnv:
-  """A new environment instance of family `name` built with `kwargs`."""
-  return _load(_entry(name)[0])(**kwargs)
+  """A new environment instance of family `name` (or of a "package.module:Class" outside the
+  registry, e.g. a test's) built with `kwargs`."""
+  return _load(name if ":" in name else entry(name).env)(**kwargs)
+
+
+def training_tasks(env_config) -> list[Task]:
+  """The training tasks of an `EnvConfig` (or a `TrainConfig`): its train split (default: the
+  env's), the first `num_train_tasks` of them (None: all)."""
+  kwargs = dict(env_config.env_kwargs)
+  if env_config.num_train_tasks is not None:
+    kwargs["num_tasks"] = env_config.num_train_tasks
+  split = env_config.train_split or entry(env_config.env).train_split
+  return task_list(env_config.env, split, **kwargs)
 
 
 def task_list(name: str, split: str, **kwargs: Any) -> list[Task]:
@@ -72,11 +99,11 @@ def task_list(name: str, split: str, **kwargs: Any) -> list[Task]:
   function does not take are dropped (they are the env's, e.g. `max_steps`), except that the task
   function's own must match.
   """
-  fn = _load(_entry(name)[1])
+  fn = _load(entry(name).tasks)
   params = inspect.signature(fn).parameters
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
     # textworld_tasks takes GameParams fields through **params: keep those, drop env-only ones.
-    env_only = set(inspect.signature(_load(_entry(name)[0]).__init__).parameters) - {"self", "params"}
+    env_only = set(inspect.signature(_load(entry(name).env).__init__).parameters) - {"self", "params"}
     kept = {k: v for k, v in kwargs.items() if k not in env_only or k in params}
   else:
     kept = {k: v for k, v in kwargs.items() if k in params}

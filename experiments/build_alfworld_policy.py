@@ -27,9 +27,6 @@ import pickle
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 # The prompt window and row length the policy is cloned for: verl-agent's window
 # (salt_jax/recipes.py); rows of ALFWorld's longest admissible lists fit in 2,048 tokens.
 HISTORY_WINDOW, MAX_LENGTH = 2, 2048
@@ -42,12 +39,12 @@ def expert_demos(split: str, max_steps: int, cache: str | None, num_tasks: int |
     with open(cache, "rb") as fh:
       return pickle.load(fh)
   # pylint: disable=import-outside-toplevel
+  from envs.demos import collect_demos
   from envs.registry import make_env, task_list
-  from salt_jax import sft, train
   tasks = task_list("alfworld", split)[:num_tasks]
   env = make_env("alfworld", expert=True, max_steps=max_steps)
   try:
-    demos = sft.collect_demos(env, tasks, max_steps=max_steps, only_won=False)
+    demos = collect_demos(env, tasks, max_steps=max_steps, only_won=False)
   finally:
     env.close()
   if cache:
@@ -77,13 +74,14 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
 
-  from alfworld_grpo_salt import prepare_devices  # pylint: disable=import-outside-toplevel
-  prepare_devices("1x1")
-  # pylint: disable=import-outside-toplevel  (after the device count is fixed)
+  # pylint: disable=import-outside-toplevel  (jax and the model only once the flags are read)
   import jax
   from flax import nnx
 
-  from salt_jax import sft, train
+  from envs.demos import demo_texts
+  from salt_jax import sft
+  from salt_jax.config import TrainConfig
+  from salt_jax.models.build import policy_config
   from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
   from salt_jax.models import CausalLM, save_pretrained
   from salt_jax.models.tokenizer import save_tokenizer
@@ -95,13 +93,12 @@ def main(argv=None) -> int:
         f"{args.demo_max_steps} steps ({sum(len(d.actions) for d in won)} steps) "
         f"[{time.perf_counter() - t0:.0f}s]", flush=True)
 
-  tok = toy_chat_tokenizer(args.vocab, extra_texts=sft.demo_texts(demos))
+  tok = toy_chat_tokenizer(args.vocab, extra_texts=demo_texts(demos))
   prompt_config = PromptConfig(history_window=HISTORY_WINDOW)
   shape = dict(hidden_size=args.hidden, intermediate_size=args.intermediate,
                num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                head_dim=args.hidden // args.heads)
-  mcfg, _ = train.policy_config(train.TrainConfig(tiny_policy=shape, max_cache_len=MAX_LENGTH),
-                                tok)
+  mcfg, _ = policy_config(TrainConfig(tiny_policy=shape, max_cache_len=MAX_LENGTH), tok)
   model = CausalLM(mcfg, rngs=nnx.Rngs(args.seed))
 
   def step_rows(episodes):

@@ -30,8 +30,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The toy run: 4 tasks x G=4 per iteration (2 tasks per process), a 2-layer d_model-64 policy.
 TOY = dict(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4,
@@ -61,8 +59,8 @@ def params_digest(arrays) -> tuple[str, float]:
 def warm_start(out: str) -> str:
   """Behaviour-clones the toy expert into the tiny policy (one process); returns the params path."""
   # pylint: disable=import-outside-toplevel
-  from salt_jax.train import TrainConfig
-  from sft_warmstart import warm_start as clone
+  from salt_jax.config import TrainConfig
+  from salt_jax.sft import warm_start as clone
   return clone(TrainConfig(**TOY, out=out), steps=120, num_demos=18, lr=1e-2)
 
 
@@ -76,7 +74,8 @@ def worker(args) -> int:
   import jax
   import numpy as np
   from salt_jax.multihost import to_host
-  from salt_jax.train import TrainConfig, Trainer
+  from salt_jax.config import TrainConfig
+  from salt_jax.train import Trainer
 
   class ReplayTrainer(Trainer):
     """Plays no environment: each iteration trains on the next recorded global batch."""
@@ -104,8 +103,8 @@ def worker(args) -> int:
     rows, local_tasks, batches = [], [], []
     while tr.iteration_index < cfg.iters:
       rows.append(tr.iteration())
-      if tr.last_local_rollout is not None:
-        local_tasks.append(sorted(set(tr.last_local_rollout.task_ids)))
+      if tr.last.local_rollout is not None:
+        local_tasks.append(sorted(set(tr.last.local_rollout.task_ids)))
       batches.append(tr.last_rollout)
     leaves = [to_host(x) for x in jax.tree.leaves(tr.params)]  # (a collective: all call it)
   sha, total = params_digest(leaves)

@@ -108,7 +108,7 @@ def experiment_runs(name: str, seeds: list[int]) -> tuple[dict, list[Run]]:
 
 
 def _config(env: dict, run: Run, out: str, iters: int, sft_path: str | None):
-  from salt_jax.train import TrainConfig  # pylint: disable=import-outside-toplevel
+  from salt_jax.config import TrainConfig  # pylint: disable=import-outside-toplevel
   fields = {**BASE, **env, **run.overrides, "seed": run.seed, "out": out, "iters": iters,
             "init_params": sft_path, "checkpoint_every": iters}
   fields["eval_every"] = max(1, iters // 2)
@@ -136,7 +136,7 @@ def warm_start_and_eval(env: dict, out_root: str, seed: int = 0) -> str:
   makes a run's config identical wherever it recurs, see `_reuse`); the seeds vary the RL (task
   order, sampling, mini-batch order)."""
   # pylint: disable=import-outside-toplevel
-  from sft_warmstart import SFT_SUBDIR, warm_start
+  from salt_jax.sft import SFT_SUBDIR, warm_start
   from salt_jax.train import Trainer
   out = warm_start_dir(env, out_root)
   path = os.path.join(out, SFT_SUBDIR)

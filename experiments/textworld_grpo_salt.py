@@ -5,21 +5,15 @@
 
 Games are generated on first use and cached (`envs/textworld_games.py`); evaluation uses the
 held-out seeds. Without --model the policy is the tiny random-init Qwen2 over the offline Qwen2.5
-tokenizer (see alfworld_grpo_salt.py). Flags -> `salt_jax.train.TrainConfig`.
+tokenizer. Every `TrainConfig` field is a flag (`salt_jax.cli`); see --help.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from salt_jax.cli import CPU_SIZED, main
 
-from alfworld_grpo_salt import main  # noqa: E402  (the shared CLI; imports no jax)
-
-CPU_DEFAULTS = dict(group_size=4, tasks_per_iter=2, iters=3, max_steps=8, max_new_tokens=32,
-                    max_cache_len=4096, lr=1e-5, env_workers=1, minibatch_rows=4,
-                    num_eval_tasks=4, num_train_tasks=16, out="runs/textworld_grpo_salt",
-                    sft_demos=16, sft_steps=100)
+CPU_DEFAULTS = dict(CPU_SIZED, env="textworld", max_steps=8, num_train_tasks=16)
 
 if __name__ == "__main__":
-  sys.exit(main("textworld", CPU_DEFAULTS))
+  sys.exit(main(defaults=CPU_DEFAULTS, runs_root="runs/textworld_grpo_salt",
+                description=__doc__.splitlines()[0]))

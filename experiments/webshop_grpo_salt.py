@@ -2,22 +2,20 @@
 WebShop's own data files in the folder `$WEBSHOP_DATA` points to.
 
   python experiments/webshop_grpo_salt.py                 # CPU-sized defaults, shows progress
-  python experiments/webshop_grpo_salt.py --recipe verl-agent-webshop \
+  python experiments/webshop_grpo_salt.py --recipe verl-agent-webshop \\
       --model ~/Qwen2.5-1.5B-Instruct
 
 Training uses the "train" goals and evaluation the "test" ones (verl-agent's split: goals 0-499
 test). Without --model the policy is the tiny random-init Qwen2 over the offline Qwen2.5
-tokenizer (see alfworld_grpo_salt.py). Flags -> `salt_jax.train.TrainConfig`.
+tokenizer. Every `TrainConfig` field is a flag (`salt_jax.cli`); see --help.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from salt_jax.cli import CPU_SIZED, main
 
-from alfworld_grpo_salt import main  # noqa: E402  (the shared CLI; imports no jax)
-import textworld_grpo_salt  # noqa: E402  (its CPU-sized defaults suit WebShop's short episodes)
+CPU_DEFAULTS = dict(CPU_SIZED, env="webshop", max_steps=8, num_train_tasks=16)
 
 if __name__ == "__main__":
-  sys.exit(main("webshop", dict(textworld_grpo_salt.CPU_DEFAULTS, out="runs/webshop_grpo_salt")))
+  sys.exit(main(defaults=CPU_DEFAULTS, runs_root="runs/webshop_grpo_salt",
+                description=__doc__.splitlines()[0]))

@@ -4,28 +4,41 @@ Host side (numpy, no accelerator): `build_merge_ids`, `cross_prompt_merges`,
 `gradient_changing_merges`.
 Device side (pure, jittable, shardable along `data`): `grpo_advantages`, `rloo_advantages`,
 `refine`, `token_advantages`, `policy_loss`, `microbatched_value_and_grad`.
+
+The names are imported on first use (`salt_jax.refine` imports `salt_jax.salt`), so that
+`import salt_jax.config` or the command line (`salt_jax.cli`) does not import jax.
 """
 
-from salt_jax.accumulate import microbatched_value_and_grad
-from salt_jax.advantages import count_invalid_rewards, grpo_advantages, rloo_advantages
-from salt_jax.graph import MergeIds, build_merge_ids, cross_prompt_merges, gradient_changing_merges
-from salt_jax.loss import PolicyLossMetrics, aggregate, aggregate_weight, kl_estimate, policy_loss
-from salt_jax.salt import refine, token_advantages
+import importlib
 
-__all__ = [
-    "MergeIds",
-    "PolicyLossMetrics",
-    "aggregate",
-    "aggregate_weight",
-    "build_merge_ids",
-    "count_invalid_rewards",
-    "cross_prompt_merges",
-    "gradient_changing_merges",
-    "grpo_advantages",
-    "kl_estimate",
-    "microbatched_value_and_grad",
-    "policy_loss",
-    "refine",
-    "rloo_advantages",
-    "token_advantages",
-]
+_EXPORTS = {
+    "microbatched_value_and_grad": "salt_jax.accumulate",
+    "count_invalid_rewards": "salt_jax.advantages",
+    "grpo_advantages": "salt_jax.advantages",
+    "rloo_advantages": "salt_jax.advantages",
+    "MergeIds": "salt_jax.graph",
+    "build_merge_ids": "salt_jax.graph",
+    "cross_prompt_merges": "salt_jax.graph",
+    "gradient_changing_merges": "salt_jax.graph",
+    "PolicyLossMetrics": "salt_jax.loss",
+    "aggregate": "salt_jax.loss",
+    "aggregate_weight": "salt_jax.loss",
+    "kl_estimate": "salt_jax.loss",
+    "policy_loss": "salt_jax.loss",
+    "refine": "salt_jax.salt",
+    "token_advantages": "salt_jax.salt",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+  raise AttributeError(f"module 'salt_jax' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))

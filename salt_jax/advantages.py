@@ -110,6 +110,21 @@ def rloo_advantages(rewards, group_ids, num_groups, *, mask=None, stat_mask=None
   return jnp.where(valid & (n > 1.0), (n * r - total[group]) / jnp.maximum(n - 1.0, 1.0), 0.0)
 
 
+def drgrpo_advantages(rewards, group_ids, num_groups, *, mask=None, stat_mask=None):
+  """Dr.GRPO (Liu et al., 2025): A_i = R_i - mean_g(R), GRPO without the std division."""
+  return grpo_advantages(rewards, group_ids, num_groups, normalize_std=False, mask=mask,
+                         stat_mask=stat_mask)
+
+
+# The advantage estimators by name: fn(rewards, group_ids, num_groups, *, mask, stat_mask) -> f32[B].
+# A new estimator is one function here and one entry; the trainer and its --algo flag read this.
+ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "drgrpo": drgrpo_advantages,
+}
+
+
 def count_invalid_rewards(rewards, mask=None):
   """Number of (unmasked) rewards that are NaN or inf: the trainer logs this every iteration."""
   rewards = jnp.asarray(rewards)

@@ -234,3 +234,23 @@ def from_rollout(batch, layout: str, *, pad_id: int, step_mask=None, **kwargs) -
     return trajectory_sequences(batch.prompt_ids, batch.response_ids, batch.old_logprobs,
                                 batch.step_traj_ids, pad_id=pad_id, step_mask=mask, **kwargs)
   raise ValueError(f"layout must be 'step' or 'trajectory', got {layout!r}")
+
+
+def pad_rows(x, size: int, dtype) -> np.ndarray:
+  """`x` as a [size] array of `dtype`, zero-padded at the end (raises if longer than `size`)."""
+  x = np.asarray(x, dtype)
+  if x.shape[0] > size:
+    raise ValueError(f"size ({size}) must be >= the number of rows ({x.shape[0]})")
+  return np.concatenate([x, np.zeros(size - x.shape[0], dtype)])
+
+
+def advantage_inputs(batch, algorithm, size: int) -> tuple:
+  """(row_rewards f32, group_ids int32, row_mask bool, stat_rows bool), each [size]: the step
+  rows of a `RolloutBatch` as `algorithm` (its reward_scale, penalty_scope and group_stats: an
+  `AlgorithmConfig` or a `TrainConfig`) scores them, padded with masked rows to `size` >= the
+  number of steps."""
+  n = batch.num_total_steps
+  return (pad_rows(batch.row_rewards(algorithm.reward_scale, algorithm.penalty_scope), size,
+                   np.float32),
+          pad_rows(batch.step_group_ids, size, np.int32), pad_rows(np.ones(n, bool), size, bool),
+          pad_rows(batch.stat_rows(algorithm.group_stats), size, bool))

@@ -1,4 +1,10 @@
-"""What the trainer's checkpoints carry besides orbax's arrays, and what a resume checks.
+"""A run's checkpoints (`RunCheckpoints`): what they carry besides orbax's arrays, what a resume
+checks.
+
+  * The state: params, optimizer state and PRNG key, on the run's mesh. The reference policy is
+    not saved: it is the initial policy, rebuilt from the config (--model, --init-params, seed)
+    at every start and checked against the fingerprints saved with each checkpoint
+    (`reference_fingerprints`), so a changed --model folder is refused rather than trained on.
 
   * Fingerprints: one uint32 per array, computed on the device (`fingerprints`) when a checkpoint
     is saved and again after it is restored. Orbax 0.12.8 (OCDBT + zstd) raises on a truncated
@@ -12,16 +18,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import warnings
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding
+
 from salt_jax import multihost
+from salt_jax.sharding import replicated
 
 # Fields a --resume may change: where the run writes and what it reports, how far it runs, how
 # its processes join, and layout-only settings (the same update in fewer rows per pass, or on
@@ -125,3 +136,132 @@ def set_aside(ckpt_dir: str, steps, dest: str) -> list[str]:
       shutil.move(os.path.join(ckpt_dir, str(step)), target)
   multihost.barrier("salt_jax_set_aside_moved")
   return targets
+
+
+def abstract_on_mesh(tree, mesh):
+  """`tree`'s shapes and dtypes on its shardings over `mesh` (a leaf on another mesh, or on one
+  device, goes replicated): a restore puts every leaf there, whatever mesh wrote it."""
+  def on_mesh(x):
+    sharding = x.sharding
+    if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+      sharding = replicated(mesh)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  return jax.tree.map(on_mesh, tree)
+
+
+class RunCheckpoints:
+  """The orbax checkpoints of one run under `<config.out>/checkpoints`.
+
+  A checkpoint is complete or absent (orbax writes a temporary folder and renames it). Each holds
+  a state pytree and a JSON item (iteration, task-sampler position, the compared config, array
+  fingerprints). Before any work, `check_start` refuses a new run over existing checkpoints and a
+  resume with changed settings; `restore_latest_intact` passes over damaged checkpoints (moved to
+  `<out>/damaged_checkpoints`) for the newest intact one.
+  """
+
+  def __init__(self, config, mesh):
+    self.config, self.mesh = config, mesh
+    self.dir = os.path.join(config.out, "checkpoints")
+    self._manager = None
+
+  def compared_config(self) -> dict:
+    """The configuration fields a resume must keep."""
+    return {k: v for k, v in self.config.to_json().items() if k not in RESUME_MAY_CHANGE}
+
+  def config_digest(self) -> str:
+    """What checkpoints written before `compared_config` was saved are checked against (its
+    fields and the mesh, which such a resume could not change)."""
+    keep = {**self.compared_config(), "mesh": self.config.mesh}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+  def check_start(self) -> None:
+    """Raises ValueError, before any work, for a new run over existing checkpoints or a resume
+    whose settings differ from the saved run's (naming each differing field)."""
+    if not self.config.resume:
+      if complete_steps(self.dir):
+        raise ValueError(f"{self.config.out} already holds checkpoints: pass --resume to continue "
+                         "that run, or choose another --out")
+      return
+    meta = newest_meta(self.dir)
+    if meta is None:
+      return
+    if "config" not in meta:  # written before the fields were saved: only the digest is there
+      if meta.get("config_digest") != self.config_digest():
+        raise ValueError(f"the checkpoint in {self.config.out} was written with a different "
+                         "configuration (only iters, out, eval_every, progress may change on "
+                         "--resume)")
+      return
+    diffs = config_differences(meta["config"], self.compared_config())
+    if diffs:
+      raise ValueError(
+          f"--resume: settings differ from the run saved in {self.config.out}: "
+          f"{'; '.join(diffs)}. Only {', '.join(RESUME_MAY_CHANGE)} may change on "
+          "--resume: pass the saved values, or choose another --out")
+
+  def open(self) -> "RunCheckpoints":
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    self._manager = ocp.CheckpointManager(
+        os.path.abspath(self.dir),
+        options=ocp.CheckpointManagerOptions(max_to_keep=self.config.max_to_keep, create=True,
+                                             enable_async_checkpointing=False))
+    return self
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: dict, meta: dict) -> None:
+    """Writes checkpoint `step`: `state` (arrays) and `meta` (JSON) plus the config and the
+    state's fingerprints."""
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    meta = {**meta, "config": self.compared_config(), "config_digest": self.config_digest(),
+            "fingerprints": fingerprints(state)}
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    self._manager.wait_until_finished()
+
+  def read(self, step: int, like: dict) -> tuple[dict, dict]:
+    """Checkpoint `step`'s state (on `like`'s shardings over the run's mesh) and JSON; raises
+    DamagedCheckpoint when it does not read back, or reads back other values than were saved."""
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    try:
+      got = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_on_mesh(like, self.mesh)),
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  (orbax raises bare Exception too)
+      raise DamagedCheckpoint(f"unreadable: {root_cause(e)}") from e
+    bad = damaged_leaves(got["state"], got["meta"].get("fingerprints"))
+    if bad:
+      raise DamagedCheckpoint(
+          f"arrays differ from the fingerprints saved with them: {len(bad)}, e.g. {bad[0]}")
+    return got["state"], got["meta"]
+
+  def restore_latest_intact(self, like: dict) -> tuple[dict, dict]:
+    """The newest checkpoint that reads back intact, as `read` returns it. Newer, damaged ones
+    are named in a warning and moved to <out>/damaged_checkpoints; raises ValueError when none
+    is intact."""
+    damaged = {}
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        restored, problem = self.read(step, like), None
+      except DamagedCheckpoint as e:
+        problem = str(e)
+      problem = next((p for p in multihost.allgather_objects(problem) if p), None)  # all agree
+      if problem is None:
+        break
+      damaged[step] = problem
+    else:
+      raise ValueError(f"--resume found no intact checkpoint in {self.dir}: " + "; ".join(
+          f"checkpoint {s}: {p}" for s, p in damaged.items()))
+    if damaged:
+      moved = set_aside(self.dir, list(damaged),
+                        os.path.join(self.config.out, "damaged_checkpoints"))
+      self._manager.reload()
+      warnings.warn(f"resuming from checkpoint {step} of {self.config.out}: " + "; ".join(
+          f"checkpoint {s} is damaged ({p}), moved to {m}"
+          for (s, p), m in zip(damaged.items(), moved)), stacklevel=3)
+    return restored
+
+  def close(self) -> None:
+    if self._manager is not None:
+      self._manager.close()
+      self._manager = None

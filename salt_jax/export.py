@@ -21,7 +21,6 @@ logits of both against ours).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -33,6 +32,8 @@ from flax import nnx
 
 from salt_jax import checkpoint
 from salt_jax import log
+from salt_jax.agent.prompts import stop_token_ids
+from salt_jax.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +42,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def run_config(run: str):
   """The `TrainConfig` a run was trained with (its config.json; unknown fields are dropped)."""
-  from salt_jax.train import TrainConfig  # pylint: disable=import-outside-toplevel
   path = os.path.join(run, "config.json")
   if not os.path.exists(path):
     raise ValueError(f"{run} is not a training run: it has no config.json")
-  with open(path, encoding="utf-8") as f:
-    saved = json.load(f)
-  known = {f.name for f in dataclasses.fields(TrainConfig)}
-  return TrainConfig(**{k: v for k, v in saved.items() if k in known})
+  return TrainConfig.load(path, ignore_unknown=True)
 
 
 def checkpoint_step(run: str, step: Optional[int] = None) -> int:
@@ -76,10 +73,10 @@ def load_policy(run: str, step: Optional[int] = None):
   # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp
   from salt_jax.models import CausalLM
-  from salt_jax.train import _build_tokenizer, policy_config
+  from salt_jax.models.build import build_tokenizer, policy_config
   cfg = run_config(run)
   step = checkpoint_step(run, step)
-  tokenizer = _build_tokenizer(cfg)
+  tokenizer = build_tokenizer(cfg)
   mcfg, param_dtype = policy_config(cfg, tokenizer)
   abstract = nnx.eval_shape(lambda: CausalLM(mcfg, rngs=nnx.Rngs(0), dtype=param_dtype,
                                              param_dtype=param_dtype))
@@ -111,11 +108,7 @@ def load_policy(run: str, step: Optional[int] = None):
 def generation_fields(cfg, tokenizer) -> dict:
   """generation_config.json fields of a run: the ids its sampler stopped and padded with, and its
   sampling settings."""
-  eos = {tokenizer.eos_token_id}
-  im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-  if isinstance(im_end, int) and im_end >= 0 and im_end != tokenizer.unk_token_id:
-    eos.add(im_end)
-  eos = sorted(e for e in eos if e is not None)
+  eos = stop_token_ids(tokenizer)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   return {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": pad,
           "do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p,

@@ -344,6 +344,14 @@ def _same_length(merge_ids, name, other) -> tuple[np.ndarray, np.ndarray]:
   return merge_ids, other
 
 
+def sample_ids(*token_lists) -> np.ndarray:
+  """An int per step, equal iff the steps' token sequences are all equal (`token_lists` are
+  parallel lists of int arrays: prompts alone, or prompts and responses)."""
+  seen: dict = {}
+  return np.array([seen.setdefault(tuple(np.asarray(t, np.int32).tobytes() for t in ts),
+                                   len(seen)) for ts in zip(*token_lists)], np.int32)
+
+
 def cross_prompt_merges(merge_ids: np.ndarray, prompt_ids: np.ndarray) -> int:
   """How many steps were merged into an edge whose other members saw a different model prompt.
 

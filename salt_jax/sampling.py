@@ -170,6 +170,11 @@ def _doublings(start: int, limit: int) -> list[int]:
   return out
 
 
+def prompt_buckets(min_len: int, max_len: int) -> list[int]:
+  """Prompt buckets: min_len, 2 min_len, ... up to max_len (fewer sampler compiles)."""
+  return _doublings(min_len, max_len)
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
   """Smallest bucket >= n, or None."""
   fits = [b for b in buckets if b >= n]

@@ -14,7 +14,9 @@ The loss is the token-mean negative log-likelihood of the response tokens only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import os
+import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,62 +24,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from envs.base import Task
+from envs import registry
+from envs.demos import Demo, collect_demos
 from salt_jax import batching
-from salt_jax.agent.prompts import PromptConfig, Prompter
+from salt_jax.agent.prompts import PromptConfig, Prompter, env_prompt_config
+from salt_jax.config import TrainConfig
+from salt_jax.models.build import build_policy, build_tokenizer, load_params, save_params
+from salt_jax.sharding import make_mesh
 from salt_jax.logprobs import token_logprobs
 
 RESPONSE_FORMAT = "<think></think><action>{action}</action>"
-
-
-@dataclasses.dataclass(frozen=True)
-class Demo:
-  """One expert episode: `steps[t] = (observation seen, admissible actions, action taken)`."""
-
-  task: Task
-  first_observation: str
-  first_admissible: Optional[tuple[str, ...]]
-  actions: tuple[str, ...]
-  observations: tuple[str, ...]  # the env's reply to each action
-  admissible: tuple[Optional[tuple[str, ...]], ...]  # admissible after each action
-  won: bool
-
-
-def play_expert(env, task: Task, seed: int = 0, max_steps: int = 50) -> Demo:
-  """Plays `task` with the environment's expert (or `optimal_actions` where the env has one)."""
-  first = env.reset(task, seed)
-  plan = iter(env.optimal_actions(task)) if hasattr(env, "optimal_actions") else None
-  actions, obs, adm, won = [], [], [], False
-  for _ in range(max_steps):
-    a = next(plan, None) if plan is not None else env.expert_action()
-    if a is None:
-      break
-    r = env.step(a)
-    actions.append(a)
-    obs.append(r.observation)
-    adm.append(r.admissible_actions)
-    won = won or r.won
-    if r.done:
-      break
-  return Demo(task, first.observation, first.admissible_actions, tuple(actions), tuple(obs),
-              tuple(adm), won)
-
-
-def collect_demos(env, tasks: Sequence[Task], seeds: Sequence[int] = (0,),
-                  max_steps: int = 50, only_won: bool = True) -> list[Demo]:
-  """Expert episodes for every (task, seed); the seed may change the prompt (listing order)."""
-  demos = [play_expert(env, t, s, max_steps) for t in tasks for s in seeds]
-  return [d for d in demos if d.won or not only_won]
-
-
-def demo_texts(demos: Sequence[Demo]) -> list[str]:
-  """Every observation and admissible-action list of the episodes (a tokenizer's corpus; the
-  expert's actions are among the admissible ones)."""
-  texts = []
-  for d in demos:
-    texts += [d.first_observation, " ".join(d.first_admissible or ()), *d.observations]
-    texts += [" ".join(a or ()) for a in d.admissible]
-  return texts
 
 
 def demo_steps(demos: Sequence[Demo], tokenizer, prompt_config: PromptConfig = PromptConfig(),
@@ -244,3 +200,63 @@ def behaviour_clone(model, batch: batching.TokenBatch, config: SFTConfig = SFTCo
       print(f"sft step {i + 1}/{config.steps} nll={losses[-1]:.4f}", flush=True)
   nnx.update(model, state)
   return losses
+
+
+# Where `warm_start` saves the cloned params, under the run's --out.
+SFT_SUBDIR = "sft_params"
+
+
+def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
+               rows: int = 8, group_by_length: bool = False) -> str:
+  """Clones expert episodes of `cfg`'s env into `cfg`'s policy; returns the saved params' folder
+  (`<cfg.out>/sft_params`, which starts an RL run through `TrainConfig.init_params`).
+
+  The policy, tokenizer and prompts are built exactly as the trainer builds them, so the cloned
+  tokens are the ones the agent loop will ask for.
+
+  Args:
+    cfg: the run's config (env, tokenizer, policy, prompt layout, max_steps, seed, out).
+    steps, lr, rows: behaviour-cloning optimizer steps, peak learning rate, sequences per step.
+    num_demos: expert episodes (tasks of the training split, cycled with new env seeds).
+    group_by_length: draw demos of similar lengths together (`SFTConfig.group_by_length`).
+  """
+  t0 = time.perf_counter()
+  mesh = make_mesh(cfg.mesh)
+  tok = build_tokenizer(cfg)
+  model = build_policy(cfg, tok, mesh)
+  if cfg.init_params is not None:
+    nnx.update(model, load_params(cfg.init_params, nnx.state(model)))
+  env_kw = dict(cfg.env_kwargs, max_steps=cfg.max_steps)
+  if cfg.env != "toy":
+    env_kw["expert"] = True
+  env = registry.make_env(cfg.env, **env_kw)
+  tasks = registry.training_tasks(cfg)
+  # Only as many episodes as asked: the tasks in order, with new env seeds once they run out
+  # (an ALFWorld episode costs seconds, so playing every task first would be wasted).
+  seeds = range(-(-num_demos // len(tasks)))
+  try:
+    demos = collect_demos(env, tasks[:num_demos], seeds=seeds, max_steps=cfg.max_steps,
+                          only_won=False)[:num_demos]
+  finally:
+    env.close()
+  won = sum(d.won for d in demos)
+  print(f"[sft] {len(demos)} expert episodes ({won} won within {cfg.max_steps} steps, "
+        f"{sum(len(d.actions) for d in demos)} steps) in {time.perf_counter() - t0:.1f}s",
+        flush=True)
+  pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+  batch = demo_token_batch(demos, tok, pad_id=pad,
+                           prompt_config=env_prompt_config(cfg.env,
+                                                           history_window=cfg.history_window),
+                           layout=cfg.layout, min_length=cfg.min_seq_len,
+                           max_length=cfg.max_cache_len)
+  before = nll(model, batch)
+  t1 = time.perf_counter()
+  behaviour_clone(model, batch, SFTConfig(
+      steps=steps, rows=rows, lr=lr, seed=cfg.seed, min_length=cfg.min_seq_len,
+      group_by_length=group_by_length), log_every=max(1, steps // 5))
+  after = nll(model, batch)
+  path = os.path.abspath(os.path.join(cfg.out, SFT_SUBDIR))
+  save_params(path, nnx.state(model))
+  print(f"[sft] demo NLL {before:.3f} -> {after:.3f} nats/token over {batch.num_loss_tokens} "
+        f"tokens, {steps} steps in {time.perf_counter() - t1:.1f}s; saved {path}", flush=True)
+  return path

@@ -22,7 +22,9 @@ from salt_jax.export import export_run, main
 from salt_jax.models import ModelConfig, from_pretrained, load_state_dict
 from salt_jax.models.config import PRESETS
 from salt_jax.models.loading import random_state_dict
-from salt_jax.train import TrainConfig, Trainer, policy_config
+from salt_jax.config import TrainConfig
+from salt_jax.models.build import policy_config
+from salt_jax.train import Trainer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -42,9 +42,12 @@ import pytest
 from flax import nnx
 
 from envs.toy import ToyEnv, toy_tasks
+from envs import demos as demos_lib
 from salt_jax import sft
 from salt_jax.sharding import make_mesh
-from salt_jax.train import TrainConfig, Trainer, _build_tokenizer, build_policy, save_params
+from salt_jax.config import TrainConfig
+from salt_jax.models.build import build_policy, build_tokenizer, save_params
+from salt_jax.train import Trainer
 
 ENV_KW = {"num_rooms": 3}
 NUM_TASKS = 4
@@ -64,10 +67,10 @@ SLOW_ITERS, SLOW_RISE = 16, 0.05
 
 def warm_start(path: str, seed: int) -> str:
   """Clones the expert on the training tasks into the tiny policy; saves its params at `path`."""
-  tok = _build_tokenizer(LEARNS)
+  tok = build_tokenizer(LEARNS)
   model = build_policy(dataclasses.replace(LEARNS, seed=seed), tok, make_mesh("1x1"))
   env = ToyEnv(max_steps=LEARNS.max_steps, **ENV_KW)
-  demos = sft.collect_demos(env, toy_tasks(NUM_TASKS), seeds=DEMO_SEEDS,
+  demos = demos_lib.collect_demos(env, toy_tasks(NUM_TASKS), seeds=DEMO_SEEDS,
                             max_steps=LEARNS.max_steps)
   batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64)
   sft.behaviour_clone(model, batch, sft.SFTConfig(steps=SFT_STEPS, rows=8, lr=1e-2, seed=seed))

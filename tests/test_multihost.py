@@ -27,7 +27,7 @@ from salt_jax import multihost
 from salt_jax.agent.prompts import toy_chat_tokenizer
 from salt_jax.rollout import TextPolicySampler, collect
 from salt_jax.sharding import make_mesh
-from salt_jax.train import TrainConfig
+from salt_jax.config import TrainConfig
 from tests.test_train import _untimed  # one definition of "a row without its timings"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

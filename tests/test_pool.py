@@ -5,7 +5,8 @@ import time
 import pytest
 
 from envs.base import Task
-from envs.pool import EnvPool, PoolStep, make_env
+from envs.pool import EnvPool, PoolStep
+from envs.registry import make_env
 from envs.toy import ToyEnv, toy_tasks
 
 TASKS = toy_tasks(4)
@@ -149,7 +150,7 @@ def _toy_after(task, actions):
 
 
 def test_make_env_names():
-  assert isinstance(make_env("toy", {"num_rooms": 3}), ToyEnv)
+  assert isinstance(make_env("toy", num_rooms=3), ToyEnv)
   assert isinstance(make_env("envs.toy:ToyEnv"), ToyEnv)
 
 
@@ -174,3 +175,19 @@ def test_bad_inputs():
     assert bad_task.failed and "unknown toy task type" in bad_task.error
   with pytest.raises(RuntimeError, match="closed"):
     pool.reset_batch([(0, TASKS[0], 0)])
+
+
+def test_registry_entries_and_training_tasks():
+  from envs import registry  # pylint: disable=import-outside-toplevel
+  from salt_jax.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  assert registry.names() == ("alfworld", "textworld", "toy", "webshop")
+  assert (registry.entry("alfworld").train_split, registry.entry("alfworld").eval_splits) == (
+      "valid_train", ("valid_seen", "valid_unseen"))
+  cfg = TrainConfig(env="toy", env_kwargs={"num_rooms": 3}, num_train_tasks=3)
+  assert registry.training_tasks(cfg) == registry.task_list("toy", "train", num_rooms=3,
+                                                            num_tasks=3)
+  assert len(registry.training_tasks(cfg)) == 3
+  other = TrainConfig(env="toy", train_split="heldout", num_train_tasks=2)
+  assert [t.split for t in registry.training_tasks(other)] == ["heldout"] * 2
+  with pytest.raises(ValueError, match="unknown environment"):
+    registry.entry("nethack")

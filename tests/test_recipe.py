@@ -13,7 +13,11 @@ from envs.toy import ToyEnv, toy_tasks
 from salt_jax import recipes
 from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
 from salt_jax.rollout import TextPolicySampler, collect
-from salt_jax.train import TrainConfig, advantage_inputs, group_advantages
+from salt_jax import cli
+from salt_jax.batching import advantage_inputs
+from salt_jax.config import TrainConfig
+from salt_jax.graph import sample_ids
+from salt_jax.update import step_advantages_program
 from tests import references as ref
 
 TOK = toy_chat_tokenizer()
@@ -58,6 +62,14 @@ def test_format_mode_marks_only_unparsable_outputs_invalid(batch):
     collect(None, TASKS, 2, None, TOK, jax.random.key(0), invalid_step="tags")
 
 
+def _group_advantages(algo, inputs):
+  """The trainer's step-advantage program with SALT off: the group estimator alone."""
+  program = step_advantages_program(algo, len(TASKS), 1, salt=False)
+  before, after = program(*inputs, np.zeros(inputs[0].shape[0], np.int32))
+  np.testing.assert_array_equal(before, after)
+  return np.asarray(before)
+
+
 @pytest.mark.parametrize("algo", ["grpo", "rloo", "drgrpo"])
 @pytest.mark.parametrize("group_stats", ["steps", "trajectories"])
 def test_recipe_step_advantages_equal_verl_agents_formulas(batch, algo, group_stats):
@@ -65,7 +77,7 @@ def test_recipe_step_advantages_equal_verl_agents_formulas(batch, algo, group_st
                                 tasks_per_iter=len(TASKS))
   n = batch.num_total_steps
   inputs = advantage_inputs(batch, cfg, n + 5)
-  got = np.asarray(jax.jit(group_advantages, static_argnums=(0, 5))(algo, *inputs, len(TASKS)))
+  got = _group_advantages(algo, inputs)
   want = ref.verl_agent_step_advantages(
       batch.success[batch.step_traj_ids], ~batch.step_valid, batch.step_group_ids.tolist(),
       batch.step_traj_ids.tolist(), algo, cross_steps=group_stats == "steps")
@@ -96,7 +108,7 @@ def test_default_scoring_is_the_per_trajectory_outcome_advantage(batch):
   # Trajectory-form rows with one vote per trajectory = GRPO over outcome rewards, repeated.
   cfg = TrainConfig(tasks_per_iter=len(TASKS))
   inputs = advantage_inputs(batch, cfg, batch.num_total_steps)
-  got = np.asarray(group_advantages("grpo", *inputs, len(TASKS)))
+  got = _group_advantages("grpo", inputs)
   traj = ref.grpo(batch.outcome_rewards.tolist(), batch.traj_group_ids.tolist())
   np.testing.assert_allclose(got, traj[batch.step_traj_ids], rtol=1e-5, atol=1e-5)
 
@@ -108,8 +120,7 @@ def test_equal_rows_give_exactly_zero(batch):
                           returns=np.ones_like(batch.returns),
                           step_valid=np.ones_like(batch.step_valid))
   for algo in ("grpo", "rloo", "drgrpo"):
-    got = np.asarray(group_advantages(algo, *advantage_inputs(b, cfg, b.num_total_steps),
-                                      len(TASKS)))
+    got = _group_advantages(algo, advantage_inputs(b, cfg, b.num_total_steps))
     assert np.all(got == 0.0), algo
 
 
@@ -134,25 +145,19 @@ def test_bad_recipe_options(change, match):
     dataclasses.replace(TrainConfig(), **change).validate()
 
 
-def test_script_recipe_flag_sets_the_recipe_and_explicit_flags_win():
-  import os  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
-  import alfworld_grpo_salt as script  # pylint: disable=import-outside-toplevel
-  recipe = script._recipe("verl-agent")  # pylint: disable=protected-access
-  assert recipe == recipes.VERL_AGENT
-  args = script.parser("alfworld", {**script.CPU_DEFAULTS, **recipe}).parse_args(
-      ["--group-size", "4"])
-  assert (args.group_size, args.history_window, args.layout, args.reward_scale,
-          args.penalty_scope, args.invalid_step, args.group_stats, args.max_steps) == (
+def test_cli_recipe_flag_sets_the_recipe_and_explicit_flags_win(tmp_path):
+  script_defaults = dict(cli.CPU_SIZED, env="alfworld", max_steps=6)
+  cfg, _ = cli.config_from(["--recipe", "verl-agent", "--group-size", "4", "--out",
+                            str(tmp_path)], script_defaults)
+  assert (cfg.group_size, cfg.history_window, cfg.layout, cfg.reward_scale,
+          cfg.penalty_scope, cfg.invalid_step, cfg.group_stats, cfg.max_steps) == (
               4, 2, "step", 10.0, "step", "format", "steps", 50)
   with pytest.raises(SystemExit, match="unknown --recipe"):
-    script._recipe("paper")  # pylint: disable=protected-access
+    cli.config_from(["--recipe", "paper"])
 
 
-def test_token_ids_equal_iff_every_sequence_is():
-  from salt_jax.train import _token_ids  # pylint: disable=import-outside-toplevel
+def test_sample_ids_equal_iff_every_sequence_is():
   prompts = [np.array([1, 2]), np.array([1]), np.array([1, 2]), np.array([1, 2])]
   responses = [np.array([3]), np.array([2, 3]), np.array([3]), np.array([4])]
-  np.testing.assert_array_equal(_token_ids(prompts, responses), [0, 1, 0, 2])
-  np.testing.assert_array_equal(_token_ids(prompts), [0, 1, 0, 0])
+  np.testing.assert_array_equal(sample_ids(prompts, responses), [0, 1, 0, 2])
+  np.testing.assert_array_equal(sample_ids(prompts), [0, 1, 0, 0])

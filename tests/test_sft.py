@@ -10,12 +10,14 @@ from flax import nnx
 
 from envs.pool import EnvPool
 from envs.toy import ToyEnv, toy_tasks
+from envs import demos as demos_lib
 from salt_jax import batching, sft
 from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import Sampler
 from salt_jax.sharding import make_mesh
-from salt_jax.train import TrainConfig, build_policy, load_params
+from salt_jax.config import TrainConfig
+from salt_jax.models.build import build_policy, load_params
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "experiments"))
@@ -32,8 +34,8 @@ def setup():
   tok = toy_chat_tokenizer()
   cfg = TrainConfig(env="toy", tokenizer="toy", max_cache_len=512, seed=0)
   env = ToyEnv(**ENV_KW)
-  train = sft.collect_demos(env, toy_tasks(12), seeds=range(2), max_steps=ENV_KW["max_steps"])
-  held = sft.collect_demos(env, toy_tasks(4, split="heldout"), seeds=[7],
+  train = demos_lib.collect_demos(env, toy_tasks(12), seeds=range(2), max_steps=ENV_KW["max_steps"])
+  held = demos_lib.collect_demos(env, toy_tasks(4, split="heldout"), seeds=[7],
                            max_steps=ENV_KW["max_steps"])
   return tok, cfg, train, held
 
@@ -136,23 +138,23 @@ def test_warm_start_script_saves_loadable_params(tmp_path, capsys):
   cfg = TrainConfig(env="toy", tokenizer="toy", max_cache_len=512, seed=0)
   tok = toy_chat_tokenizer()
   fresh = nnx.state(build_policy(cfg, tok, make_mesh("1x1")), nnx.Param)
-  loaded = load_params(str(out / sft_warmstart.SFT_SUBDIR), fresh)
+  loaded = load_params(str(out / sft.SFT_SUBDIR), fresh)
   assert jax.tree.structure(loaded) == jax.tree.structure(fresh)
   assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(fresh)))
 
 
 def test_demo_texts_hold_every_observation_and_admissible_list():
   env = ToyEnv(max_steps=8, num_rooms=3)
-  demos = sft.collect_demos(env, toy_tasks(2), max_steps=8, only_won=False)
+  demos = demos_lib.collect_demos(env, toy_tasks(2), max_steps=8, only_won=False)
   want = []
   for d in demos:  # the reference: the episode's texts in the order it saw them
     want.append(d.first_observation)
     want.append(" ".join(d.first_admissible))
     want.extend(d.observations)
     want.extend(" ".join(a) for a in d.admissible)
-  assert sft.demo_texts(demos) == want
+  assert demos_lib.demo_texts(demos) == want
   # The expert only plays admissible actions, so the corpus holds every action it took.
   for d in demos:
     lists = [d.first_admissible, *d.admissible]
     assert all(a in lists[t] for t, a in enumerate(d.actions))
-  assert sft.demo_texts([]) == []
+  assert demos_lib.demo_texts([]) == []

@@ -18,12 +18,13 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 import tpu_aot  # noqa: E402
-from salt_jax import train  # noqa: E402
+from salt_jax import update  # noqa: E402
+from salt_jax.config import TrainConfig  # noqa: E402
 from salt_jax.models import ModelConfig  # noqa: E402
 
 MODEL = ModelConfig.tiny(vocab_size=256)
 # The verl-agent recipe cut down: 8-row mini-batches of 4-row micro-batches, 32-token prompts.
-CONFIG = train.TrainConfig.from_recipe(
+CONFIG = TrainConfig.from_recipe(
     "verl-agent", tasks_per_iter=2, group_size=2, max_steps=4, max_new_tokens=16,
     max_cache_len=64, prompt_bucket_min=16, minibatch_rows=8, microbatch_rows=4, min_seq_len=16,
     logprob_chunk=16)
@@ -49,17 +50,17 @@ def test_update_and_logprobs_figures_are_the_compiled_programs(mesh):
 
   # The same programs, compiled here straight from the trainer's builder.
   _, graphdef, params = tpu_aot.abstract_policy(MODEL, mesh, jnp.float32)
-  tx = train.optimizer(CONFIG, train.lr_schedule(CONFIG))
+  tx = update.optimizer(CONFIG, update.lr_schedule(CONFIG))
   opt = tpu_aot.abstract_opt_state(tx, params, mesh)
   shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-  logprobs, step = train.update_programs(CONFIG, graphdef, tx, 8, shard_of(params),
+  logprobs, step = update.update_programs(CONFIG, graphdef, tx, 8, shard_of(params),
                                          shard_of(opt))
   mb = tpu_aot.minibatch(mesh, 8, 48)
   adv = tpu_aot._on(mesh, (64,), jnp.float32)  # pylint: disable=protected-access
-  update = _compiled(step, (params, opt, mb, adv)).memory_analysis()
+  update_mem = _compiled(step, (params, opt, mb, adv)).memory_analysis()
   lp = _compiled(logprobs, (params, mb["input_ids"], mb["targets"], mb["attention_mask"],
                             mb["positions"])).memory_analysis()
-  for report, mem in ((reports["update"], update), (reports["logprobs"], lp)):
+  for report, mem in ((reports["update"], update_mem), (reports["logprobs"], lp)):
     assert report.fits
     assert report.argument_bytes == mem.argument_size_in_bytes
     assert report.output_bytes == mem.output_size_in_bytes
@@ -67,13 +68,13 @@ def test_update_and_logprobs_figures_are_the_compiled_programs(mesh):
     assert report.temp_bytes == mem.temp_size_in_bytes
   # Parameters, optimizer state and the batch are the update's arguments, byte for byte.
   batch_bytes = tpu_aot.device_bytes((mb, adv))
-  assert update.argument_size_in_bytes == state["params"] + state["opt_state"] + batch_bytes
+  assert update_mem.argument_size_in_bytes == state["params"] + state["opt_state"] + batch_bytes
   assert reports["update"].alias_bytes == state["params"] + state["opt_state"]  # donated
   assert reports["update"].resident_bytes == state["ref_params"]
 
   # FLOPs: the 4-row, one-chunk twin's compiled count, times 8 / 4.
-  twin_cfg = train.TrainConfig(**{**CONFIG.__dict__, "microbatch_rows": 0, "logprob_chunk": 48})
-  _, twin_step = train.update_programs(twin_cfg, graphdef, tx, 4, shard_of(params), shard_of(opt))
+  twin_cfg = TrainConfig(**{**CONFIG.__dict__, "microbatch_rows": 0, "logprob_chunk": 48})
+  _, twin_step = update.update_programs(twin_cfg, graphdef, tx, 4, shard_of(params), shard_of(opt))
   twin = _compiled(twin_step, (params, opt, tpu_aot.minibatch(mesh, 4, 48), adv))
   assert reports["update"].flops == twin.cost_analysis()["flops"] * 2
 

@@ -31,9 +31,12 @@ from envs.toy import ToyEnv, toy_tasks
 import salt_jax
 from salt_jax import batching
 from salt_jax import metrics as metrics_lib
+from envs import demos as demos_lib
 from salt_jax import sft
 from salt_jax.sharding import make_mesh
-from salt_jax.train import TrainConfig, Trainer, _build_tokenizer, _stats, build_policy, save_params
+from salt_jax.config import TrainConfig
+from salt_jax.models.build import build_policy, build_tokenizer, save_params
+from salt_jax.train import Trainer, _stats
 from tests import references as ref
 from tests.tensorboard_reader import read_tensorboard
 
@@ -72,10 +75,10 @@ def warm(tmp_path_factory):
   """Params of the tiny policy after 120 cloning steps: 85% valid actions and 75% of the first
   iteration's games won, so every iteration's groups have a signal (with 40 steps, 3% valid:
   groups of all-invalid trajectories, whose advantages are exactly 0, took no update)."""
-  tok = _build_tokenizer(BASE)
+  tok = build_tokenizer(BASE)
   model = build_policy(BASE, tok, make_mesh(BASE.mesh))
   env = ToyEnv(max_steps=BASE.max_steps, **ENV_KW)
-  demos = sft.collect_demos(env, toy_tasks(6), seeds=range(3), max_steps=BASE.max_steps)
+  demos = demos_lib.collect_demos(env, toy_tasks(6), seeds=range(3), max_steps=BASE.max_steps)
   batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64)
   sft.behaviour_clone(model, batch, sft.SFTConfig(steps=120, rows=8, lr=1e-2))
   path = str(tmp_path_factory.mktemp("warm") / "params")
@@ -92,7 +95,7 @@ def run_a(warm, tmp_path_factory):
     for _ in range(cfg.iters):
       rows.append(tr.iteration())
       if first is None:
-        first = (tr.last_rollout, [dict(mb) for mb in tr.last_minibatches], tr.last_advantages)
+        first = (tr.last.rollout, [dict(mb) for mb in tr.last.minibatches], tr.last.advantages)
     yield cfg, tr, rows, first
 
 
@@ -124,7 +127,7 @@ def test_salt_changes_the_advantages_and_nothing_else(run_a, warm, tmp_path):
   with Trainer(off) as tr:
     tr.setup()
     row_c = tr.iteration()
-    roll_c, mbs_c, (before_c, after_c) = tr.last_rollout, tr.last_minibatches, tr.last_advantages
+    roll_c, mbs_c, (before_c, after_c) = tr.last.rollout, tr.last.minibatches, tr.last.advantages
   # the same rollout, token for token
   assert roll_a.actions == roll_c.actions and roll_a.responses == roll_c.responses
   for x, y in zip(roll_a.old_logprobs + roll_a.prompt_ids, roll_c.old_logprobs + roll_c.prompt_ids):
@@ -330,7 +333,7 @@ def test_layouts_give_the_same_update_and_drgrpo_its_advantages(warm, tmp_path):
     rows, params, opts, rollouts = {}, {}, {}, {}
     for layout in ("trajectory", "step"):
       rows[layout], params[layout], opts[layout] = _rerun_first_iteration(tr, layout=layout)
-      rollouts[layout] = tr.last_rollout
+      rollouts[layout] = tr.last.rollout
       assert rows[layout]["num_updates"] == 1 and rows[layout]["skipped_updates"] == 0
   traj, step = rows["trajectory"], rows["step"]
   assert rollouts["trajectory"].actions == rollouts["step"].actions
@@ -365,7 +368,7 @@ def test_microbatches_give_the_same_update(warm, tmp_path):
     for micro in (0, 8):
       tr._restore(0)  # pylint: disable=protected-access
       tr.config = dataclasses.replace(tr.config, microbatch_rows=micro)
-      tr._jit()  # pylint: disable=protected-access
+      tr._build_programs()  # pylint: disable=protected-access
       rows[micro] = tr.iteration()
       opts[micro] = jax.tree.map(np.asarray, tr.opt_state)
       assert rows[micro]["num_updates"] == 1
@@ -387,7 +390,7 @@ def test_rloo_with_the_embedder(warm, tmp_path):
   with Trainer(cfg) as tr:
     tr.setup()
     (row,) = tr.run()
-    batch, (before, after) = tr.last_rollout.trainable(), tr.last_advantages
+    batch, (before, after) = tr.last.rollout.trainable(), tr.last.advantages
   want = _step_advantages(batch, ref.rloo(batch.outcome_rewards.tolist(),
                                           batch.traj_group_ids.tolist()))
   np.testing.assert_allclose(before, want, atol=1e-6)
@@ -420,12 +423,12 @@ def test_minibatches_are_cut_to_their_own_longest_row(run_a):
 
 def test_nan_guard_skips_the_update(run_a):
   _, tr, _, _ = run_a
-  mb = {k: np.array(v) for k, v in tr.last_minibatches[0].items()}
+  mb = {k: np.array(v) for k, v in tr.last.minibatches[0].items()}
   mb["old_logprobs"] = np.where(mb["loss_mask"], np.nan, 0.0).astype(np.float32)
   before = jax.tree.map(np.asarray, tr.params)
   opt_before = jax.tree.map(np.asarray, tr.opt_state)
   total = tr.skipped_updates_total
-  res = tr._update([mb], tr.last_step_adv, jax.random.key(0))  # pylint: disable=protected-access
+  res = tr._update([mb], tr.last.step_adv, jax.random.key(0))  # pylint: disable=protected-access
   assert res["skipped_updates"] == 1 and res["num_updates"] == 0 and math.isnan(res["loss"])
   assert tr.skipped_updates_total == total + 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tr.params), before)
@@ -460,7 +463,7 @@ def test_checkpoint_policy_is_loaded_in_param_dtype(param_dtype, tmp_path):
   # A bf16 checkpoint trains in float32 by default: AdamW's ~1e-6 steps would round away in bf16.
   from salt_jax.models import CausalLM, ModelConfig, save_pretrained  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  tok = _build_tokenizer(BASE)
+  tok = build_tokenizer(BASE)
   mcfg = ModelConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=32, intermediate_size=64,
                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
   folder = tmp_path / "policy"
@@ -653,7 +656,7 @@ def test_resume_of_a_checkpoint_with_only_a_config_digest(tmp_path):
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "old"), resume=True)
   meta = os.path.join(cfg.out, "checkpoints", "1", "meta")
   os.makedirs(meta)
-  digest = Trainer(cfg)._config_digest()  # pylint: disable=protected-access
+  digest = Trainer(cfg).checkpoints.config_digest()
   for written, ok in ((digest, True), ("0123456789abcdef", False)):
     with open(os.path.join(meta, "metadata"), "w", encoding="utf-8") as f:
       json.dump({"iteration": 1, "config_digest": written}, f)

@@ -480,7 +480,7 @@ def test_a_training_iteration_runs_on_webshop(tmp_path):
   with Trainer(cfg) as tr:
     tr.setup()
     row = tr.iteration()
-  batch = tr.last_rollout
+  batch = tr.last.rollout
   assert row["iteration"] == 0 and batch.num_groups == 1 and len(batch.task_ids) == 2
   assert all(t.startswith("webshop-synth-") for t in batch.task_ids)
   assert all("Your task: " in tr.tokenizer.decode(p) for p in batch.prompt_ids)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from salt_jax.agent import parsing
+
 DEFAULT_INSTRUCTION = (
     "You are an expert agent playing a text-based environment. Each turn you see an observation "
     "and the actions that are admissible now.")
@@ -110,6 +112,21 @@ class PromptConfig:
         isinstance(self.history_window, bool) or not isinstance(self.history_window, int)
         or self.history_window < 0):
       raise ValueError(f"history_window must be None or an int >= 0, got {self.history_window!r}")
+
+
+# Generation stops where the action's closing tag ends (the agent needs nothing after it).
+STOP_STRING = parsing.CLOSE_TAG
+END_OF_TURN = "<|im_end|>"  # ChatML's end of an assistant turn (Qwen2.5, the toy tokenizer)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+  """The token ids a response ends on: the tokenizer's EOS, and ChatML's end-of-turn token where
+  the vocabulary has one."""
+  eos = {tokenizer.eos_token_id}
+  im_end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+  if isinstance(im_end, int) and im_end >= 0 and im_end != tokenizer.unk_token_id:
+    eos.add(im_end)
+  return sorted(e for e in eos if e is not None)
 
 
 def env_prompt_config(env: str, **fields) -> PromptConfig:

@@ -1,0 +1,228 @@
+"""The command line of a training run: one flag per `TrainConfig` field, generated from its sections.
+
+  python experiments/alfworld_grpo_salt.py --mesh=4x2 --group-size 8 --no-salt
+  python experiments/alfworld_grpo_salt.py --recipe verl-agent --model ~/Qwen2.5-1.5B-Instruct
+  python experiments/alfworld_grpo_salt.py --config runs/x/config.json --out runs/y   # re-run
+  salt-jax-train --env toy --tokenizer toy --iters 5                  # the console entry point
+
+A field `foo_bar` is the flag `--foo-bar`; booleans come as `--salt` / `--no-salt`; dicts as JSON
+(`--env-kwargs '{"num_rooms": 3}'`); tuples comma-separated (`--eval-splits a,b`); `none` sets an
+optional field to None. A value comes from, later winning: the field's default, the script's
+defaults, `--recipe` (`salt_jax.recipes`), `--config` (a JSON file as a run writes to
+`<out>/config.json`), then the flags given. Without `--out` a run gets a new timestamped folder
+under the script's runs folder (with `--resume`, the newest one there).
+
+Besides the config: `--log-level`, and `--sft-warmstart` (with `--sft-steps`, `--sft-demos`), which
+behaviour-clones the environment's expert into the policy before RL (`salt_jax.sft.warm_start`).
+
+This module imports no jax at module level, and sets jax's CPU device count (`use_cpu_devices`)
+before any backend starts, so a `--mesh` larger than a CPU machine is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+import time
+import typing
+from typing import Any, Mapping, Optional, Sequence
+
+from salt_jax.config import SECTIONS, TrainConfig
+from salt_jax.recipes import RECIPES
+
+# Flags that are not config fields, and their defaults (a script may override them).
+SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32)
+
+# The experiment scripts' defaults: a run that shows each phase on a 2-core CPU in minutes (the
+# paper's values are the verl-agent recipe's, `--recipe verl-agent`).
+CPU_SIZED = dict(group_size=4, tasks_per_iter=2, iters=3, max_new_tokens=32, max_cache_len=4096,
+                 lr=1e-5, env_workers=1, minibatch_rows=4, num_eval_tasks=4, sft_demos=16,
+                 sft_steps=100)
+
+
+def _field_type(section: type, name: str) -> tuple[Any, bool]:
+  """(the field's value type, whether it is Optional)."""
+  hint = typing.get_type_hints(section)[name]
+  args = typing.get_args(hint)
+  if typing.get_origin(hint) is typing.Union and type(None) in args:
+    return next(a for a in args if a is not type(None)), True
+  return hint, False
+
+
+def _parse_value(kind, optional: bool, flag: str):
+  """The argparse `type` function of a field."""
+  def parse(text: str):
+    if optional and text.strip().lower() == "none":
+      return None
+    if kind is dict:
+      try:
+        value = json.loads(text)
+      except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{flag} takes a JSON object: {e}") from None
+      if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {text!r}")
+      return value
+    if kind is tuple:
+      return tuple(s.strip() for s in text.split(",") if s.strip())
+    return kind(text)
+  parse.__name__ = getattr(kind, "__name__", str(kind))  # argparse names it in errors
+  return parse
+
+
+def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax training run"
+           ) -> argparse.ArgumentParser:
+  """Every `TrainConfig` field as a flag, grouped by section, plus the script's own flags.
+
+  Flags not given are absent from the parsed namespace (`argparse.SUPPRESS`), so `config_from`
+  can tell them from defaults; `defaults` (field -> value) only changes the help text's default.
+  """
+  defaults = dict(defaults)
+  p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
+  g = p.add_argument_group("run setup")
+  g.add_argument("--config", help="a JSON config (a run's config.json): its values replace the "
+                 "defaults and the recipe's; flags given win")
+  g.add_argument("--recipe", help=f"a named setting from salt_jax.recipes: "
+                 f"{', '.join(sorted(RECIPES))} (flags given win)")
+  g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                 help="salt_jax's log: info = each phase, debug = each rollout turn and "
+                 "mini-batch too (default: $SALT_JAX_LOG_LEVEL, else info)")
+  g.add_argument("--sft-warmstart", action="store_true",
+                 help="behaviour-clone the env's expert into the policy first")
+  for name in ("sft_steps", "sft_demos"):
+    g.add_argument("--" + name.replace("_", "-"), type=int,
+                   help=f"(default: {defaults.get(name, SCRIPT_DEFAULTS[name])}) "
+                   + ("cloning steps" if name == "sft_steps" else "expert episodes to clone"))
+  for section in SECTIONS:
+    g = p.add_argument_group(section.__name__, section.__doc__)
+    for f in dataclasses.fields(section):
+      flag = "--" + f.name.replace("_", "-")
+      default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING
+                             else f.default_factory())
+      kind, optional = _field_type(section, f.name)
+      text = f"{f.metadata.get('help', '')} (default: {default!r})"
+      if kind is bool:
+        g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
+      else:
+        g.add_argument(flag, dest=f.name, type=_parse_value(kind, optional, flag), help=text,
+                       metavar=getattr(kind, "__name__", "X").upper())
+  return p
+
+
+def output_dir(out: Optional[str], resume: bool, root: str) -> str:
+  """`out`, else a fresh timestamped run folder under `root` (so rerunning the same command never
+  collides with an earlier run's checkpoints), or with `resume` the newest run there."""
+  if out:
+    return out
+  if resume:
+    runs = sorted(glob.glob(os.path.join(root, "*")))
+    if not runs:
+      raise SystemExit(f"error: --resume found no run under {root}; pass --out")
+    return runs[-1]
+  return os.path.join(root, time.strftime("%Y%m%d-%H%M%S"))
+
+
+def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (), *,
+                runs_root: str = "runs/train", description: str = "salt-jax training run"
+                ) -> tuple[TrainConfig, argparse.Namespace]:
+  """(TrainConfig, the parsed flags) of a command line; SystemExit with the reason for a bad one.
+
+  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`). Validation of the
+  values themselves is the config's (`TrainConfig.validate`), done by `main` before any work.
+  """
+  defaults = dict(defaults)
+  args = parser(defaults, description).parse_args(argv)
+  given = vars(args)
+  names = {f.name for f in dataclasses.fields(TrainConfig)}
+  values = {k: v for k, v in defaults.items() if k in names}
+  if "recipe" in given:
+    if given["recipe"] not in RECIPES:
+      raise SystemExit(f"error: unknown --recipe {given['recipe']!r}; known: {sorted(RECIPES)}")
+    values.update(RECIPES[given["recipe"]])
+  if "config" in given:
+    try:
+      with open(given["config"], encoding="utf-8") as f:
+        values.update(dataclasses.asdict(TrainConfig.from_json(json.load(f))))
+    except (OSError, ValueError) as e:
+      raise SystemExit(f"error: --config {given['config']}: {e}") from None
+  values.update({k: v for k, v in given.items() if k in names})
+  values["distributed"] = values.get("distributed", False) or any(
+      values.get(k) is not None for k in ("coordinator", "num_processes", "process_id"))
+  for name, default in SCRIPT_DEFAULTS.items():
+    given.setdefault(name, defaults.get(name, default))
+  given.setdefault("sft_warmstart", False)
+  if values["distributed"] and given["sft_warmstart"]:
+    raise SystemExit("error: --sft-warmstart runs in one process: run experiments/"
+                     "sft_warmstart.py first and pass its params with --init-params")
+  if values["distributed"] and "out" not in given:
+    raise SystemExit("error: with several processes pass the same --out to each")
+  if "out" not in given and "config" not in given:
+    values["out"] = output_dir(None, values.get("resume", False), runs_root)
+  return TrainConfig(**values), args
+
+
+def use_cpu_devices(mesh: str, num_processes: Optional[int] = None) -> None:
+  """Gives jax's CPU backend this process's share of the mesh's D*M devices (all of them with one
+  process), before any backend starts. On a machine with an accelerator jax uses that instead
+  and the CPU count is unused; once a backend has started (jax already used in this process) the
+  count stays as it is and `make_mesh` says whether the mesh fits."""
+  from salt_jax.sharding import parse_mesh_shape  # pylint: disable=import-outside-toplevel
+  data, model = parse_mesh_shape(mesh)
+  need = -(-data * model // max(1, num_processes or 1))
+  if need <= 1:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    jax.config.update("jax_num_cpu_devices", need)
+  except RuntimeError:
+    pass  # backends already started (e.g. in a notebook): the mesh check reports a misfit
+
+
+def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (), *,
+         runs_root: str = "runs/train", description: str = "salt-jax training run") -> int:
+  """Parses flags, validates them before any work, optionally warm-starts, then trains."""
+  cfg, args = config_from(argv, defaults, runs_root=runs_root, description=description)
+  from salt_jax.sharding import parse_mesh_shape  # pylint: disable=import-outside-toplevel
+  try:
+    parse_mesh_shape(cfg.mesh)
+  except ValueError as e:
+    raise SystemExit(f"error: --{e}") from None
+  use_cpu_devices(cfg.mesh, cfg.num_processes)
+  # pylint: disable=import-outside-toplevel  (after the device count is set)
+  from salt_jax import log
+  from salt_jax import sft
+  from salt_jax.train import Trainer
+  log.configure(getattr(args, "log_level", None))
+
+  def trainer_or_exit(c):
+    try:
+      c.validate()
+      return Trainer(c)  # forms the mesh; refuses a resume with changed settings
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+
+  sft_path = os.path.abspath(os.path.join(cfg.out, sft.SFT_SUBDIR))  # as warm_start names it
+  resumed_warm = args.sft_warmstart and cfg.resume and os.path.isdir(sft_path)
+  if resumed_warm:  # a resumed run keeps its first warm start (and its saved init_params)
+    cfg = dataclasses.replace(cfg, init_params=sft_path)
+  trainer = trainer_or_exit(cfg)
+  if args.sft_warmstart and not resumed_warm:
+    path = sft.warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos)
+    trainer.close()
+    trainer = trainer_or_exit(dataclasses.replace(cfg, init_params=path))
+  with trainer:
+    trainer.setup()
+    print(f"[salt-jax] {cfg.env}: {len(trainer.task_sampler.tasks)} training tasks, mesh "
+          f"{cfg.mesh}, algo {cfg.algo}, SALT {'on' if cfg.salt else 'off'}, out {cfg.out}",
+          flush=True)
+    trainer.run()
+  print(f"[salt-jax] metrics: {os.path.join(cfg.out, 'metrics.jsonl')}", flush=True)
+  return 0
+
+
+def console_main() -> int:
+  """The `salt-jax-train` entry point: `main` with the fields' own defaults."""
+  return main(sys.argv[1:])

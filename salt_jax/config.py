@@ -1,0 +1,284 @@
+"""What one training run is: `TrainConfig`, built from six small sections.
+
+  EnvConfig        which environment, its tasks and splits
+  PolicyConfig     the model, tokenizer and parameter dtype
+  RolloutConfig    sampling, prompts and what counts as an invalid step
+  AlgorithmConfig  the advantage estimator, rewards and SALT
+  UpdateConfig     the PPO-clip update and its optimizer
+  RunConfig        iterations, mesh, output, checkpoints, processes
+
+`TrainConfig` inherits every section, so its fields are flat (`config.lr`, `TrainConfig(lr=3e-4)`)
+and each section stays a readable unit (the command line groups its flags by section,
+`salt_jax.cli`). Every field carries its help text in `metadata["help"]`. A run writes
+`TrainConfig.to_json()` to `<out>/config.json`; `TrainConfig.from_json` reads it back, so a saved
+config re-runs its run (`--config <out>/config.json`).
+
+This module imports no jax: the command line builds a config before it fixes the device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Optional
+
+from salt_jax.recipes import RECIPES
+
+PARAM_DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("constant", "cosine")
+LAYOUTS = ("trajectory", "step")
+
+
+def _field(default, help_: str):
+  """A dataclass field with its command-line help (mutable defaults through a factory)."""
+  if isinstance(default, (dict, list)):
+    return dataclasses.field(default_factory=lambda: type(default)(default),
+                             metadata={"help": help_})
+  return dataclasses.field(default=default, metadata={"help": help_})
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """The environment and its tasks."""
+
+  env: str = _field("alfworld", "environment: alfworld, textworld, toy or webshop")
+  env_kwargs: dict = _field({}, "the environment's keyword arguments (JSON)")
+  train_split: Optional[str] = _field(None, "training split (default: the env's own)")
+  eval_splits: Optional[tuple] = _field(None, "evaluation splits, comma-separated (default: the "
+                                        "env's own)")
+  num_train_tasks: Optional[int] = _field(None, "training tasks used (default: all)")
+  num_eval_tasks: int = _field(8, "tasks of each eval split played greedily")
+  eval_every: int = _field(0, "evaluate every N iterations (0: never)")
+  env_workers: int = _field(1, "environment worker processes (0: in this process)")
+  max_steps: int = _field(50, "steps an episode at most")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """The policy and its tokenizer."""
+
+  model: Optional[str] = _field(None, "a local Hugging Face Qwen2/Llama folder (default: a tiny "
+                                "random-init Qwen2, TINY_POLICY)")
+  tokenizer: str = _field("qwen25", "qwen25 (offline Qwen2.5), toy, or a local folder (a --model "
+                          "folder brings its own)")
+  tiny_policy: dict = _field({}, "overrides of the tiny policy's architecture (JSON)")
+  init_params: Optional[str] = _field(None, "an orbax params folder to start from (e.g. a "
+                                      "behaviour-cloning warm start)")
+  param_dtype: str = _field("float32", "parameters and compute of a --model checkpoint: float32 "
+                            "(AdamW's small steps round away on bf16 weights) or bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Sampling the group's trajectories."""
+
+  group_size: int = _field(8, "trajectories per task, G")
+  tasks_per_iter: int = _field(16, "tasks per iteration")
+  max_new_tokens: int = _field(256, "response tokens per step at most")
+  temperature: float = _field(1.0, "sampling temperature")
+  top_p: float = _field(1.0, "nucleus sampling mass")
+  top_k: int = _field(0, "top-k sampling (0: off)")
+  history_window: Optional[int] = _field(None, "the prompt holds the last k steps (needs --layout "
+                                         "step; default: the whole conversation)")
+  max_cache_len: int = _field(8192, "prompt + response tokens at most (the KV cache)")
+  prompt_bucket_min: int = _field(128, "smallest sampler prompt bucket")
+  invalid_action_penalty: float = _field(0.1, "reward lost per invalid step")
+  invalid_step: str = _field("admissible", "admissible (the parser or the env rejects the "
+                             "action) or format (no parsable action: verl-agent's)")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+  """Step advantages: the group estimator, the rewards it scores, and SALT."""
+
+  algo: str = _field("grpo", "the group advantage estimator: a name in "
+                     "salt_jax.advantages.ESTIMATORS")
+  reward_scale: float = _field(1.0, "times the env's return (verl-agent: 10 per win)")
+  penalty_scope: str = _field("trajectory", "trajectory (the penalty folded into the "
+                              "trajectory's reward) or step (on the invalid step's own row: "
+                              "verl-agent's)")
+  group_stats: str = _field("trajectories", "group statistics over trajectories (one vote each) "
+                            "or over step rows (steps: verl-agent's)")
+  salt: bool = _field(True, "SALT step-level advantages")
+  history: int = _field(3, "SALT's state: the last h (action, observation) pairs")
+  embedder: Optional[str] = _field(None, "merge by embeddings: minilm or a local "
+                                   "sentence-transformers folder (default: exact matches)")
+  embed_threshold: float = _field(0.8, "cosine above which embedded states and actions merge")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+  """The PPO-clip update and its optimizer."""
+
+  layout: str = _field("trajectory", "trajectory (one sequence per trajectory) or step (one row "
+                       "per step)")
+  recompute_old_logprobs: bool = _field(False, "old log-probs under the current params instead "
+                                        "of the sampler's")
+  lr: float = _field(1e-6, "peak learning rate (AdamW)")
+  weight_decay: float = _field(0.01, "AdamW weight decay")
+  warmup_steps: int = _field(0, "linear warmup, in optimizer steps")
+  schedule: str = _field("constant", "constant or cosine (decay over the run)")
+  max_grad_norm: float = _field(1.0, "global-norm gradient clipping")
+  clip_eps: float = _field(0.2, "PPO clip range")
+  clip_eps_high: Optional[float] = _field(None, "upper clip range (default: clip_eps)")
+  dual_clip: Optional[float] = _field(None, "dual-clip constant c for negative advantages")
+  kl_coef: float = _field(0.01, "KL-to-reference coefficient")
+  kl_estimator: str = _field("k3", "k1, k2 or k3")
+  loss_agg: str = _field("token-mean", "token-mean, seq-mean-token-mean or seq-mean-token-sum")
+  ppo_epochs: int = _field(1, "passes over the batch per iteration")
+  minibatch_rows: int = _field(8, "rows per optimizer step")
+  microbatch_rows: int = _field(0, "rows per forward/backward pass, gradients accumulated over "
+                                "the mini-batch (0: all at once); a multiple of the mesh's data "
+                                "axis")
+  min_seq_len: int = _field(64, "shortest padded row length")
+  logprob_chunk: int = _field(256, "vocabulary projection chunk (tokens)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The run: how long, where, on which devices, with which processes."""
+
+  iters: int = _field(100, "training iterations")
+  seed: int = _field(0, "PRNG seed (params, sampling, task order)")
+  mesh: str = _field("1x1", "DxM device mesh ('data' x 'model'); CPU devices are simulated when "
+                     "the machine has fewer")
+  out: str = _field("runs/default", "output folder")
+  resume: bool = _field(False, "continue from the last checkpoint in --out")
+  checkpoint_every: int = _field(1, "save every N iterations (and after the last)")
+  max_to_keep: int = _field(2, "checkpoints kept")
+  tensorboard: bool = _field(True, "write TensorBoard event files")
+  progress: bool = _field(True, "show each phase's progress")
+  distributed: bool = _field(False, "join several processes (jax.distributed; a TPU pod's or "
+                             "SLURM's are auto-detected)")
+  coordinator: Optional[str] = _field(None, "host:port of process 0 (implies --distributed)")
+  num_processes: Optional[int] = _field(None, "processes in the run")
+  process_id: Optional[int] = _field(None, "this process's index")
+
+
+SECTIONS = (EnvConfig, PolicyConfig, RolloutConfig, AlgorithmConfig, UpdateConfig, RunConfig)
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, PolicyConfig,
+                  EnvConfig):
+  """Everything one run needs (the fields of all six sections); `validate()` checks it."""
+
+  def validate(self) -> None:
+    """Raises ValueError naming the first bad field (called before any work)."""
+    # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
+    from envs import registry
+    from salt_jax import multihost
+    from salt_jax.advantages import ESTIMATORS
+    from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
+    from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
+    from salt_jax.sharding import parse_mesh_shape
+
+    def need(ok, msg):
+      if not ok:
+        raise ValueError(msg)
+
+    def pos_int(name, lo=1):
+      v = getattr(self, name)
+      need(isinstance(v, int) and not isinstance(v, bool) and v >= lo,
+           f"{name} must be an int >= {lo}, got {v!r}")
+
+    def one_of(name, choices):
+      need(getattr(self, name) in choices,
+           f"unknown {name} {getattr(self, name)!r}; expected one of {tuple(choices)}")
+
+    one_of("env", registry.names())
+    one_of("algo", ESTIMATORS)
+    one_of("schedule", SCHEDULES)
+    one_of("layout", LAYOUTS)
+    one_of("kl_estimator", KL_ESTIMATORS)
+    one_of("loss_agg", LOSS_AGG_MODES)
+    one_of("param_dtype", PARAM_DTYPES)
+    one_of("invalid_step", INVALID_STEP_MODES)
+    one_of("penalty_scope", PENALTY_SCOPES)
+    one_of("group_stats", GROUP_STATS)
+    for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "history",
+                 "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
+                 "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):
+      pos_int(name)
+    for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows"):
+      pos_int(name, 0)
+    need(self.group_size >= 2,
+         f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
+         "own group, so every advantage is 0 and nothing is learned; use group_size >= 2")
+    need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
+         f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
+         f"({self.minibatch_rows})")
+    need(self.max_cache_len > self.max_new_tokens + 16,
+         f"max_cache_len ({self.max_cache_len}) must exceed max_new_tokens "
+         f"({self.max_new_tokens}) + 16 to leave room for a prompt")
+    need(math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
+    need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+    need(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
+    need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+    need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+    need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")
+    need(math.isfinite(self.reward_scale) and self.reward_scale > 0,
+         f"reward_scale must be > 0, got {self.reward_scale}")
+    need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
+         f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
+         f"{self.embedder!r}")
+    need(0 < self.embed_threshold <= 1, f"embed_threshold must be in (0, 1], got "
+         f"{self.embed_threshold}")
+    need(self.history_window is None or self.history_window >= 0,
+         f"history_window must be None or >= 0, got {self.history_window}")
+    need(not (self.layout == "trajectory" and self.history_window is not None),
+         "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
+         "use layout='step' with a history_window")
+    need(self.model is None or os.path.isdir(self.model),
+         f"--model {self.model!r} is not a local folder (Hugging Face hub ids are not fetched)")
+    need(self.init_params is None or os.path.isdir(self.init_params),
+         f"init_params {self.init_params!r} is not a folder")
+    need(self.model is not None or self.tokenizer in ("qwen25", "toy")
+         or os.path.isdir(self.tokenizer),
+         f"tokenizer must be 'qwen25', 'toy' or a local folder, got {self.tokenizer!r}")
+    parse_mesh_shape(self.mesh)  # the string; whether the devices exist is checked at setup
+    if self.coordinator is not None or self.num_processes is not None \
+        or self.process_id is not None:
+      need(self.distributed, "coordinator / num_processes / process_id need distributed=True")
+    multihost.check_coordinator(self.coordinator)
+    if self.num_processes is not None:
+      pos_int("num_processes")
+      need(self.process_id is None or (isinstance(self.process_id, int)
+                                       and 0 <= self.process_id < self.num_processes),
+           f"process_id must be in [0, {self.num_processes}), got {self.process_id!r}")
+
+  def to_json(self) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+  @classmethod
+  def from_json(cls, data: dict, *, ignore_unknown: bool = False) -> "TrainConfig":
+    """The config `to_json` wrote (JSON lists back to tuples). A field this version does not
+    have raises ValueError naming it, or is dropped with `ignore_unknown` (an older run's)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown and not ignore_unknown:
+      raise ValueError(f"unknown config fields: {', '.join(unknown)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+                  if k in names})
+
+  @classmethod
+  def load(cls, path: str, *, ignore_unknown: bool = False) -> "TrainConfig":
+    """The config in JSON file `path` (a run's config.json), as `from_json` reads it."""
+    with open(path, encoding="utf-8") as f:
+      return cls.from_json(json.load(f), ignore_unknown=ignore_unknown)
+
+  @classmethod
+  def from_recipe(cls, name: str, **overrides) -> "TrainConfig":
+    """The config of `salt_jax.recipes.RECIPES[name]`, with `overrides` on top."""
+    if name not in RECIPES:
+      raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+    return cls(**{**RECIPES[name], **overrides})
+
+
+def section_of(name: str) -> type:
+  """The section dataclass that declares field `name`."""
+  for section in SECTIONS:
+    if name in {f.name for f in dataclasses.fields(section)}:
+      return section
+  raise KeyError(name)

@@ -1,0 +1,143 @@
+"""The trainer's device programs: step advantages (group estimator + SALT) and the PPO-clip step.
+
+  step_advantages_program(algo, num_groups, num_segments, salt) -> jitted
+      (row_rewards, group_ids, row_mask, stat_rows, merge_ids) -> (before, after)
+  update_programs(config, graphdef, tx, rows, shardings...) -> (logprobs, train_step), jitted
+  lr_schedule(config), optimizer(config, schedule)
+
+Each is a module-level function of its settings, so the same programs compile ahead of time for
+another machine (`benchmarks/tpu_aot.py`) and run in the trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from salt_jax.accumulate import microbatched_value_and_grad
+from salt_jax.advantages import ESTIMATORS
+from salt_jax.config import TrainConfig
+from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
+from salt_jax.loss import PolicyLossMetrics, aggregate, aggregate_weight, policy_loss
+from salt_jax.salt import refine, token_advantages
+
+
+def step_advantages(row_rewards, group_ids, row_mask, stat_rows, merge_ids, *, algo: str,
+                    num_groups: int, num_segments: int, salt: bool):
+  """Each step row's advantage before and after SALT.
+
+  Args:
+    row_rewards: f32[N], each step row's reward (`RolloutBatch.row_rewards`).
+    group_ids: int32[N], the row's group (task) in [0, num_groups).
+    row_mask: bool[N]; False marks padding rows.
+    stat_rows: bool[N], the rows that make up their group's statistics (`RolloutBatch.stat_rows`).
+    merge_ids: int32[N], each row's merged-edge id (`build_merge_ids`); read only with `salt`.
+    algo: a name in `salt_jax.advantages.ESTIMATORS`.
+    num_groups, num_segments: static sizes (groups; merged edges, >= max(merge_ids) + 1).
+    salt: refine the group advantages over merged edges, or return them unchanged.
+  Returns:
+    (before, after): f32[N] group advantages and the advantages the update uses.
+  """
+  before = ESTIMATORS[algo](row_rewards, group_ids, num_groups, mask=row_mask,
+                            stat_mask=stat_rows)
+  after = refine(before, merge_ids, num_segments, row_mask) if salt else before
+  return before, after
+
+
+def step_advantages_program(algo: str, num_groups: int, num_segments: int, salt: bool):
+  """`step_advantages` for these static settings, jitted (one compile per distinct setting)."""
+  if algo not in ESTIMATORS:
+    raise ValueError(f"unknown algo {algo!r}; expected one of {tuple(ESTIMATORS)}")
+  return _step_advantages_jit(algo, int(num_groups), int(num_segments), bool(salt))
+
+
+@functools.lru_cache(maxsize=64)
+def _step_advantages_jit(algo, num_groups, num_segments, salt):
+  return jax.jit(functools.partial(step_advantages, algo=algo, num_groups=num_groups,
+                                   num_segments=num_segments, salt=salt))
+
+
+def lr_schedule(config: TrainConfig):
+  """The learning rate per optimizer step: warmup, then constant or cosine decay over the run."""
+  per_iter = config.ppo_epochs * max(1, -(-config.tasks_per_iter * config.group_size
+                                          * (config.max_steps if config.layout == "step" else 1)
+                                          // config.minibatch_rows))
+  total = max(config.iters * per_iter, config.warmup_steps + 1)
+  if config.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, max(config.warmup_steps, 1), total)
+  if config.warmup_steps:
+    return optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup_steps),
+                                 optax.constant_schedule(config.lr)], [config.warmup_steps])
+  return optax.constant_schedule(config.lr)
+
+
+def optimizer(config: TrainConfig, schedule) -> optax.GradientTransformation:
+  """AdamW at `schedule` after global-norm gradient clipping."""
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformation, rows: int,
+                    param_shardings, opt_shardings):
+  """The trainer's two jitted device programs over the policy `graphdef`'s params.
+
+  Returns (logprobs, train_step):
+    logprobs(params, input_ids, targets, attention_mask, positions) -> f32[rows, L] token
+      log-probs (the old and reference log-prob phases).
+    train_step(params, opt_state, mb, step_adv) -> (params, opt_state, metrics): one PPO-clip
+      step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl. ref_logprobs),
+      micro-batched per `config.microbatch_rows`; params and opt_state are donated and come back
+      on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite loss or
+      gradient leaves both unchanged and sets metrics['skipped'].
+  """
+  def logprobs(params, ids, tg, am, pos):
+    return token_logprobs(nnx.merge(graphdef, params), ids, tg, am, positions=pos,
+                          chunk_size=config.logprob_chunk)
+
+  def loss_fn(p, mb, step_adv):
+    model = nnx.merge(graphdef, p)
+    logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
+                                           mb["attention_mask"], positions=mb["positions"],
+                                           chunk_size=config.logprob_chunk)
+    adv = token_advantages(step_adv, mb["token_step_ids"])
+    loss, m = policy_loss(
+        logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=config.clip_eps,
+        clip_eps_high=config.clip_eps_high, dual_clip=config.dual_clip,
+        ref_logp=mb["ref_logprobs"], kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+        loss_agg=config.loss_agg)
+    return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
+
+  def loss_weight(mb):
+    return aggregate_weight(mb["loss_mask"], config.loss_agg)
+
+  def metric_weights(mb):
+    """pg_loss aggregates as the loss does; the other metrics are token means."""
+    tokens = aggregate_weight(mb["loss_mask"], "token-mean")
+    m = PolicyLossMetrics(*([tokens] * len(PolicyLossMetrics._fields)))
+    return m._replace(pg_loss=loss_weight(mb)), tokens
+
+  micro = rows // config.microbatch_rows if config.microbatch_rows else 1
+  grad_fn = microbatched_value_and_grad(
+      loss_fn, micro, has_aux=True, weight_fn=loss_weight, aux_weight_fn=metric_weights)
+
+  def train_step(params, opt_state, mb, step_adv):
+    """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
+    (loss, (m, ent)), grads = grad_fn(params, mb, step_adv)
+    gnorm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # Never apply a non-finite update: keep params and optimizer state (its step count too).
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    out = dict(loss=loss, grad_norm=gnorm, kl=m.kl, clip_fraction=m.clip_fraction,
+               pg_loss=m.pg_loss, ratio_mean=m.ratio_mean, approx_kl_old=m.approx_kl_old,
+               entropy=ent, skipped=~ok)
+    return keep(new_params, params), keep(new_opt, opt_state), out
+  # Outputs pinned to the inputs' shardings: otherwise the second call sees params laid out
+  # as XLA chose and compiles again.
+  return jax.jit(logprobs), jax.jit(train_step, donate_argnums=(0, 1),
+                                    out_shardings=(param_shardings, opt_shardings, None))

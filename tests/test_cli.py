@@ -1,0 +1,122 @@
+"""The generated command line (`salt_jax.cli`) and the config's sections and file round trip."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from salt_jax import cli
+from salt_jax.config import SECTIONS, TrainConfig, section_of
+from salt_jax.recipes import RECIPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = dict(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4,
+           tasks_per_iter=2, num_train_tasks=4, max_steps=4, max_new_tokens=24,
+           max_cache_len=512, env_workers=0, lr=3e-4, minibatch_rows=4, iters=1, seed=3,
+           progress=False, tensorboard=False)
+
+
+def _flag_dests(parser) -> set:
+  return {a.dest for a in parser._actions}  # pylint: disable=protected-access
+
+
+def test_every_field_has_a_flag_and_one_section():
+  fields = [f.name for f in dataclasses.fields(TrainConfig)]
+  assert len(fields) == len(set(fields)) == sum(len(dataclasses.fields(s)) for s in SECTIONS)
+  assert set(fields) <= _flag_dests(cli.parser())
+  for name in fields:
+    assert name in {f.name for f in dataclasses.fields(section_of(name))}
+  with pytest.raises(KeyError):
+    section_of("no_such_field")
+
+
+def test_flags_parse_to_the_fields_types(tmp_path):
+  cfg, args = cli.config_from([
+      "--group-size", "6", "--lr", "3e-4", "--no-salt", "--env-kwargs", '{"num_rooms": 3}',
+      "--eval-splits", "valid_seen, valid_unseen", "--history-window", "2", "--layout", "step",
+      "--clip-eps-high", "none", "--embedder", "none", "--out", str(tmp_path / "r"),
+      "--sft-warmstart"])
+  assert (cfg.group_size, cfg.lr, cfg.salt, cfg.env_kwargs, cfg.eval_splits, cfg.history_window,
+          cfg.layout, cfg.clip_eps_high, cfg.embedder, cfg.out) == (
+              6, 3e-4, False, {"num_rooms": 3}, ("valid_seen", "valid_unseen"), 2, "step", None,
+              None, str(tmp_path / "r"))
+  assert args.sft_warmstart and (args.sft_steps, args.sft_demos) == (200, 32)
+  for bad in (["--group-size", "x"], ["--env-kwargs", "[1]"], ["--env-kwargs", "{"],
+              ["--no-such-flag"]):
+    with pytest.raises(SystemExit):
+      cli.config_from(bad)
+
+
+def test_values_in_order_defaults_recipe_config_flags(tmp_path):
+  saved = dataclasses.replace(TrainConfig(**TOY), lr=2e-5, group_size=5, out=str(tmp_path / "a"))
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(saved.to_json()))
+  script = dict(cli.CPU_SIZED, env="alfworld", max_steps=6)
+  # script defaults, then the recipe over them
+  cfg, _ = cli.config_from(["--recipe", "verl-agent", "--out", "x"], script)
+  assert (cfg.max_steps, cfg.group_size, cfg.lr) == (50, 8, RECIPES["verl-agent"]["lr"])
+  # a config file over the recipe: the saved run again, whole
+  cfg, _ = cli.config_from(["--recipe", "verl-agent", "--config", str(path)], script)
+  assert cfg == saved
+  # flags given win over all
+  cfg, _ = cli.config_from(["--config", str(path), "--group-size", "3", "--out", "b"], script)
+  assert cfg == dataclasses.replace(saved, group_size=3, out="b")
+  # no --out, no config: a new timestamped folder under the script's runs folder
+  cfg, _ = cli.config_from([], script, runs_root=str(tmp_path / "runs"))
+  assert os.path.dirname(cfg.out) == str(tmp_path / "runs")
+  with pytest.raises(SystemExit, match="no run under"):
+    cli.config_from(["--resume"], script, runs_root=str(tmp_path / "none"))
+
+
+def test_config_file_round_trip_and_bad_files(tmp_path):
+  cfg = TrainConfig(**TOY, eval_splits=("eval",), tiny_policy={"num_layers": 1})
+  assert TrainConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+  with pytest.raises(ValueError, match="unknown config fields: bogus"):
+    TrainConfig.from_json({**cfg.to_json(), "bogus": 1})
+  assert TrainConfig.from_json({**cfg.to_json(), "bogus": 1}, ignore_unknown=True) == cfg
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  for path in (bad, tmp_path / "missing.json"):
+    with pytest.raises(SystemExit, match="--config"):
+      cli.config_from(["--config", str(path)])
+
+
+def test_process_flags_imply_distributed_and_need_an_out():
+  cfg, _ = cli.config_from(["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1",
+                            "--out", "x"])
+  assert cfg.distributed and (cfg.coordinator, cfg.num_processes, cfg.process_id) == ("h:1", 2, 1)
+  with pytest.raises(SystemExit, match="same --out"):
+    cli.config_from(["--num-processes", "2"])
+
+
+def test_cli_imports_no_jax_and_sets_the_cpu_device_count():
+  code = ("import sys; from salt_jax import cli; assert 'jax' not in sys.modules, 'jax imported'; "
+          "cli.use_cpu_devices('4x2'); import jax; print(len(jax.devices('cpu')))")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env=env, cwd=ROOT, check=False)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.strip() == "8"
+
+
+def test_a_runs_saved_config_reruns_it(tmp_path):
+  """One toy iteration from flags, then the same run again from its config.json: the same
+  config, and the same first iteration's rollout."""
+  first = str(tmp_path / "first")
+  flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}"
+           for k, v in TOY.items() if not isinstance(v, bool)]
+  assert cli.main([*flags, "--no-progress", "--no-tensorboard", f"--out={first}"]) == 0
+  again = str(tmp_path / "again")
+  assert cli.main(["--config", os.path.join(first, "config.json"), f"--out={again}"]) == 0
+  cfgs = [TrainConfig.load(os.path.join(d, "config.json")) for d in (first, again)]
+  assert cfgs[0] == dataclasses.replace(TrainConfig(**TOY), out=first)
+  assert cfgs[1] == dataclasses.replace(cfgs[0], out=again)
+  rows = []
+  for d in (first, again):
+    with open(os.path.join(d, "metrics.jsonl"), encoding="utf-8") as f:
+      rows.append(json.loads(f.readline()))
+  for key in ("success_rate", "num_steps", "valid_action_ratio", "response_tokens"):
+    assert rows[0][key] == rows[1][key], key
