@@ -13,26 +13,11 @@ ones that only concern playing (`max_steps`, `expert`), so one kwargs dict can s
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 from typing import Any, Callable
 
 from envs.base import Task, TextEnv
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvSpec:
-  """A picklable recipe for an environment: `EnvSpec("alfworld", {"expert": True}).make()`."""
-
-  name: str
-  kwargs: dict = dataclasses.field(default_factory=dict)
-
-  def make(self) -> TextEnv:
-    return make_env(self.name, **self.kwargs)
-
-  def tasks(self, split: str, **kwargs: Any) -> list[Task]:
-    return task_list(self.name, split, **{**self.kwargs, **kwargs})
 
 
 # name -> ("module:EnvClass", "module:task_function")
