@@ -64,12 +64,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from bench_gpu import chip_limits  # noqa: E402
 from salt_jax import batching, sampling, update  # noqa: E402
 from salt_jax.config import PARAM_DTYPES, TrainConfig  # noqa: E402
-from salt_jax.models import CausalLM, ModelConfig, param_shardings  # noqa: E402
+from salt_jax.models import (CausalLM, ModelConfig, default_attention_impl,  # noqa: E402
+                             param_shardings)
 from salt_jax.models.config import PRESETS  # noqa: E402
 from salt_jax.models.partitioning import ActivationSharding  # noqa: E402
 from salt_jax.sharding import batch_sharding, make_mesh, replicated  # noqa: E402
@@ -157,7 +158,10 @@ def devices_per_chip(mesh: Mesh) -> int:
 def abstract_policy(config: ModelConfig, mesh: Mesh, dtype) -> tuple[CausalLM, Any, Any]:
   """(model, graphdef, params) of `CausalLM(config)` in `dtype` on `mesh`, allocating nothing:
   params are ShapeDtypeStructs on the trainer's parameter shardings, and the model constrains
-  its activations as `shard_model` makes it."""
+  its activations as `shard_model` makes it. A config that names no attention implementation
+  gets the one for the mesh's platform, not this host's."""
+  if config.attention_impl is None:
+    config = dataclasses.replace(config, attention_impl=default_attention_impl(mesh))
   model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
                                           param_dtype=dtype))
   model.activation_sharding = ActivationSharding(mesh)
@@ -346,8 +350,7 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
   sampler = sampling.Sampler(
       model, eos_token_ids=list(model_config.eos_token_ids) or [0], pad_token_id=0,
       max_cache_len=cfg.max_cache_len, mesh=mesh,
-      prompt_buckets=sampling._doublings(cfg.prompt_bucket_min,  # pylint: disable=protected-access
-                                         cfg.max_cache_len))
+      prompt_buckets=sampling.doubling_buckets(cfg.prompt_bucket_min, cfg.max_cache_len))
   # pylint: disable=protected-access  (the sampler's own programs and bucketing)
   batch = sampler._pad_batch(shape.sampler_batch)
   prompt = sampler._prompt_bucket(prompt_len, cfg.max_new_tokens)

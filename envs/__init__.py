@@ -7,6 +7,6 @@ import lazily.
 
 from envs.base import EnvStep, Task, TextEnv
 from envs.pool import EnvPool, PoolStep
-from envs.registry import EnvSpec, make_env, task_list
+from envs.registry import make_env, task_list
 
-__all__ = ["EnvPool", "EnvSpec", "EnvStep", "PoolStep", "Task", "TextEnv", "make_env", "task_list"]
+__all__ = ["EnvPool", "EnvStep", "PoolStep", "Task", "TextEnv", "make_env", "task_list"]

@@ -24,20 +24,6 @@ from envs.base import Task, TextEnv
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvSpec:
-  """A picklable recipe for an environment: `EnvSpec("alfworld", {"expert": True}).make()`."""
-
-  name: str
-  kwargs: dict = dataclasses.field(default_factory=dict)
-
-  def make(self) -> TextEnv:
-    return make_env(self.name, **self.kwargs)
-
-  def tasks(self, split: str, **kwargs: Any) -> list[Task]:
-    return task_list(self.name, split, **{**self.kwargs, **kwargs})
-
-
-@dataclasses.dataclass(frozen=True)
 class EnvEntry:
   """One environment family: where its class and task function live, and its default splits."""
 

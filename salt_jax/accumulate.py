@@ -1,9 +1,9 @@
 """Gradient accumulation: one batch's loss and gradient, computed micro-batch by micro-batch.
 
 A PPO mini-batch of long agent trajectories may not fit in memory as one forward and backward
-pass, and even where it fits, smaller passes can be faster: on CPU the activations of a 128-row
-batch (GiBs) are fresh pages every step, while a micro-batch's live set is small and reused
-inside one `lax.scan`. The result is the whole batch's, not an average of micro-batch losses:
+pass, and even where it fits, smaller passes can be faster: on CPU a large batch's activations
+are fresh pages every step, while a micro-batch's live set is small and reused inside one
+`lax.scan`. The result is the whole batch's, not an average of micro-batch losses:
 each micro-batch's loss and gradient are weighted by its share of the batch's aggregate (its
 tokens for a token mean, its live rows for a mean over sequences: `salt_jax.aggregate_weight`),
 as MaxText and newer verl weight by global token counts.

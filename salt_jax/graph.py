@@ -46,11 +46,6 @@ class MergeIds:
   def num_steps(self) -> int:
     return int(self.ids.shape[0])
 
-  @property
-  def num_merged(self) -> int:
-    """Insertions that merged into an existing edge."""
-    return self.num_steps - self.num_segments
-
 
 def _validate_arguments(trajectories, group_ids, history, threshold):
   if isinstance(history, bool) or not isinstance(history, (int, np.integer)) or history < 1:

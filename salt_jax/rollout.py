@@ -87,6 +87,16 @@ class SamplingParams:
   stop_strings: tuple[str, ...] = ()
 
 
+def _per_step():
+  """A `RolloutBatch` field with one entry per step ([N], trajectory-major)."""
+  return dataclasses.field(metadata={"rows": "step"})
+
+
+def _per_trajectory():
+  """A `RolloutBatch` field with one entry per trajectory ([T])."""
+  return dataclasses.field(metadata={"rows": "trajectory"})
+
+
 @dataclasses.dataclass
 class RolloutBatch:
   """Steps of G trajectories per task. N steps (trajectory-major), T trajectories.
@@ -116,33 +126,33 @@ class RolloutBatch:
     than prefilled), ...
   """
 
-  prompt_ids: list
-  response_ids: list
-  old_logprobs: list
-  sample_logprobs: list
-  step_group_ids: np.ndarray
-  step_traj_ids: np.ndarray
-  step_index: np.ndarray
-  actions: list
-  responses: list
-  observations: list
-  step_rewards: np.ndarray
-  step_dones: np.ndarray
-  step_valid: np.ndarray
-  parse_reasons: list
-  finish_reasons: list
-  traj_group_ids: np.ndarray
-  task_ids: list
-  task_types: list
-  success: np.ndarray
-  failed: np.ndarray
-  errors: list
-  truncated: np.ndarray
-  num_steps: np.ndarray
-  num_invalid: np.ndarray
-  returns: np.ndarray
-  outcome_rewards: np.ndarray
-  first_observations: list
+  prompt_ids: list = _per_step()
+  response_ids: list = _per_step()
+  old_logprobs: list = _per_step()
+  sample_logprobs: list = _per_step()
+  step_group_ids: np.ndarray = _per_step()
+  step_traj_ids: np.ndarray = _per_step()
+  step_index: np.ndarray = _per_step()
+  actions: list = _per_step()
+  responses: list = _per_step()
+  observations: list = _per_step()
+  step_rewards: np.ndarray = _per_step()
+  step_dones: np.ndarray = _per_step()
+  step_valid: np.ndarray = _per_step()
+  parse_reasons: list = _per_step()
+  finish_reasons: list = _per_step()
+  traj_group_ids: np.ndarray = _per_trajectory()
+  task_ids: list = _per_trajectory()
+  task_types: list = _per_trajectory()
+  success: np.ndarray = _per_trajectory()
+  failed: np.ndarray = _per_trajectory()
+  errors: list = _per_trajectory()
+  truncated: np.ndarray = _per_trajectory()
+  num_steps: np.ndarray = _per_trajectory()
+  num_invalid: np.ndarray = _per_trajectory()
+  returns: np.ndarray = _per_trajectory()
+  outcome_rewards: np.ndarray = _per_trajectory()
+  first_observations: list = _per_trajectory()
   num_groups: int
   invalid_action_penalty: float
   whole_history: bool
@@ -230,26 +240,15 @@ class RolloutBatch:
     keep_s = np.flatnonzero(traj_mask[self.step_traj_ids])
     new_id = np.full(self.num_trajectories, -1, np.int32)
     new_id[keep_t] = np.arange(len(keep_t), dtype=np.int32)
-    pick = lambda xs, idx: [xs[i] for i in idx]  # pylint: disable=unnecessary-lambda-assignment
-    return dataclasses.replace(
-        self,
-        prompt_ids=pick(self.prompt_ids, keep_s), response_ids=pick(self.response_ids, keep_s),
-        old_logprobs=pick(self.old_logprobs, keep_s),
-        sample_logprobs=pick(self.sample_logprobs, keep_s),
-        step_group_ids=self.step_group_ids[keep_s],
-        step_traj_ids=new_id[self.step_traj_ids[keep_s]], step_index=self.step_index[keep_s],
-        actions=pick(self.actions, keep_s), responses=pick(self.responses, keep_s),
-        observations=pick(self.observations, keep_s), step_rewards=self.step_rewards[keep_s],
-        step_dones=self.step_dones[keep_s], step_valid=self.step_valid[keep_s],
-        parse_reasons=pick(self.parse_reasons, keep_s),
-        finish_reasons=pick(self.finish_reasons, keep_s),
-        traj_group_ids=self.traj_group_ids[keep_t], task_ids=pick(self.task_ids, keep_t),
-        task_types=pick(self.task_types, keep_t), success=self.success[keep_t],
-        failed=self.failed[keep_t], errors=pick(self.errors, keep_t),
-        truncated=self.truncated[keep_t], num_steps=self.num_steps[keep_t],
-        num_invalid=self.num_invalid[keep_t], returns=self.returns[keep_t],
-        outcome_rewards=self.outcome_rewards[keep_t],
-        first_observations=pick(self.first_observations, keep_t))
+    rows = {"step": keep_s, "trajectory": keep_t}
+
+    def take(field: dataclasses.Field):
+      value, keep = getattr(self, field.name), rows[field.metadata["rows"]]
+      return value[keep] if isinstance(value, np.ndarray) else [value[i] for i in keep]
+
+    kept = {f.name: take(f) for f in dataclasses.fields(self) if "rows" in f.metadata}
+    kept["step_traj_ids"] = new_id[kept["step_traj_ids"]]
+    return dataclasses.replace(self, **kept)
 
   def trainable(self) -> "RolloutBatch":
     """Without the failed trajectories."""

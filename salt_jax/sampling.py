@@ -15,8 +15,7 @@ The cache holds W slots per row, W the smallest of `cache_buckets` that fits the
 `max_cache_len`), since every decode step attends over all of them. The flow for a prompt bucket P:
   prefill: all P prompt slots are written to the cache in one forward pass, and the last one's
     logits give each row's first new token (decode step 0; the other positions' logits are never
-    computed). On the benchmark model at batch 16 this took prefill + first token from 42.3 to
-    41.0 ms (best of 15) against feeding the last prompt token as a separate first decode step.
+    computed), rather than feeding the last prompt token as a separate first decode step.
   decode: a `lax.while_loop` feeds one token per step from step 1 (new token i-1 goes into slot
     P-1+i) and samples the next; it exits as soon as every row is done. So `max_new_tokens` new
     tokens need P + max_new_tokens - 1 <= W.
@@ -52,7 +51,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from salt_jax import hostcpu
 from salt_jax.sharding import DATA_AXIS
 
 _DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -147,32 +145,29 @@ class _Plan(NamedTuple):
 _FEW_ROWS = 32
 
 
-def _few_rows_compiler_options(mesh: jax.sharding.Mesh | None) -> dict | None:
-  """XLA options for decoding a few rows: on an AVX2-only CPU, plain (Eigen) dots instead of
-  YNNPACK fusions. A decode step multiplies a few rows by every weight matrix, streamed from L3;
-  there YNNPACK's dots ran 2x slower (8 MB of [16, 256] x [256, 1024] matmuls: 16 vs 32 GFLOP/s
-  on one core; benchmark model, greedy, 10 alternating calls, 2 cores: batch 16 2,238 vs 2,057
-  tok/s, 32: 2,170 vs 2,004; at 64 and 128 rows YNNPACK won). With AVX-512, YNNPACK wins at every
-  batch size (batch 16, 12 alternating calls: 117 vs 126 ms best, 135 vs 142 ms median), so
-  nothing is changed. Prefill and training always keep YNNPACK. The platform is the mesh's
-  devices' (a TPU topology compiled ahead of time on a CPU host), else the default backend's."""
-  platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-  if platform == "cpu" and not hostcpu.has_avx512():
+def _few_rows_compiler_options(attention_impl: str | None) -> dict | None:
+  """XLA options for decoding a few rows: plain (Eigen) dots instead of YNNPACK fusions under
+  'cpu_chunked_sum' (the AVX2-only CPU choice, `salt_jax.models.ATTENTION_IMPLS`), else none.
+
+  A decode step multiplies a few rows by every weight matrix, streamed from L3; there Eigen's dots
+  beat YNNPACK's on AVX2-only CPUs, while YNNPACK wins from 64 rows up and at every batch size
+  where the CPU has AVX-512. Prefill and training always keep YNNPACK.
+  """
+  if attention_impl == "cpu_chunked_sum":
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
   return None
 
 
-def _doublings(start: int, limit: int) -> list[int]:
-  """start, 2 start, 4 start, ... up to limit (start itself even past it)."""
-  out = [start]
-  while out[-1] * 2 <= limit:
+def doubling_buckets(shortest: int, longest: int) -> list[int]:
+  """Prompt (or cache) lengths to pad to: shortest, 2 shortest, 4 shortest, ... up to longest.
+
+  Doubling keeps the compiled programs few (one per bucket) while padding wastes at most half.
+  `shortest` is always included, even past `longest`.
+  """
+  out = [shortest]
+  while out[-1] * 2 <= longest:
     out.append(out[-1] * 2)
   return out
-
-
-def prompt_buckets(min_len: int, max_len: int) -> list[int]:
-  """Prompt buckets: min_len, 2 min_len, ... up to max_len (fewer sampler compiles)."""
-  return _doublings(min_len, max_len)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -185,8 +180,7 @@ def _argmax(x: jax.Array) -> jax.Array:
   """jnp.argmax over the last axis (first index of the max; a NaN counts as the max), as i32.
 
   Written as a max, then the smallest index that holds it: two plain reductions that XLA:CPU
-  vectorizes, where argmax's (value, index) pair reduction did not (16 x 2,048 logits: 25 vs
-  115 us, about 3% of the benchmark model's decode step).
+  vectorizes, where it does not vectorize argmax's (value, index) pair reduction.
   """
   hit = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
   index = jnp.arange(x.shape[-1], dtype=jnp.int32)
@@ -280,13 +274,13 @@ class Sampler:
     self.pad_token_id = int(pad_token_id)
     self.max_cache_len = int(max_cache_len)
     if prompt_buckets is None:
-      prompt_buckets = _doublings(16, self.max_cache_len)
+      prompt_buckets = doubling_buckets(16, self.max_cache_len)
     self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
     if not self.prompt_buckets or self.prompt_buckets[0] < 1:
       raise ValueError(f"prompt_buckets must be positive lengths, got {prompt_buckets}")
     self._mesh = mesh
     if cache_buckets is None:
-      cache_buckets = _doublings(128, self.max_cache_len)
+      cache_buckets = doubling_buckets(128, self.max_cache_len)
     self.cache_buckets = tuple(sorted({min(int(b), self.max_cache_len) for b in cache_buckets}
                                       | {self.max_cache_len}))
     if self.cache_buckets[0] < 2:
@@ -318,7 +312,8 @@ class Sampler:
                             static_argnames=("mode",))
     decode = functools.partial(self._decode_impl, self._graphdef)
     self._decode = jax.jit(decode, static_argnames=("mode",), donate_argnums=(1,))
-    few = _few_rows_compiler_options(self.mesh)
+    few = _few_rows_compiler_options(
+        getattr(getattr(self.model, "config", None), "attention_impl", None))
     self._decode_few_rows = self._decode if few is None else jax.jit(
         decode, static_argnames=("mode",), donate_argnums=(1,), compiler_options=few)
 

@@ -57,7 +57,7 @@ from salt_jax.config import TrainConfig
 from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
 from salt_jax.models.build import build_policy, build_tokenizer, load_params
 from salt_jax.rollout import SamplingParams, collect
-from salt_jax.sampling import prompt_buckets
+from salt_jax.sampling import doubling_buckets
 from salt_jax.sharding import DATA_AXIS, batch_sharding, make_mesh, parse_mesh_shape, replicated
 from salt_jax.update import lr_schedule, optimizer, step_advantages_program, update_programs
 
@@ -262,7 +262,7 @@ class Trainer:
     self.sampler = Sampler(self.sampler_model, eos_token_ids=stop_token_ids(self.tokenizer),
                            pad_token_id=self.pad_id, max_cache_len=cfg.max_cache_len,
                            mesh=sampler_mesh,
-                           prompt_buckets=prompt_buckets(cfg.prompt_bucket_min, cfg.max_cache_len))
+                           prompt_buckets=doubling_buckets(cfg.prompt_bucket_min, cfg.max_cache_len))
     self.embedder = None
     if cfg.salt and cfg.embedder not in (None, "none"):
       from salt_jax.embedders import SentenceEmbedder

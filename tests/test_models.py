@@ -15,7 +15,8 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from salt_jax.models import (CausalLM, KVCache, ModelConfig, from_pretrained, load_state_dict,
+from salt_jax.models import (ATTENTION_IMPLS, CausalLM, KVCache, ModelConfig,
+                             default_attention_impl, from_pretrained, load_state_dict,
                              param_shardings, save_pretrained, shard_model)
 from salt_jax.models.loading import hf_tensor_specs, random_state_dict
 from salt_jax.models.partitioning import fit_spec
@@ -382,6 +383,51 @@ def test_tiny_config_validation():
     ModelConfig.tiny(num_kv_heads=3)
 
 
+# ---- attention implementations ----
+
+
+def test_attention_impl_is_validated_and_stays_out_of_config_json():
+  with pytest.raises(ValueError, match="attention_impl"):
+    ModelConfig.tiny(attention_impl="flash")
+  d = ModelConfig.tiny(attention_impl="batched").to_hf_dict()
+  assert "attention_impl" not in json.dumps(d)
+  assert ModelConfig.from_hf_dict(d) == ModelConfig.tiny()  # None: the machine's default
+  model = nnx.eval_shape(lambda: CausalLM(ModelConfig.tiny(), rngs=nnx.Rngs(0)))
+  assert model.config.attention_impl == default_attention_impl()
+  assert set(ATTENTION_IMPLS) == {"batched", "cpu_chunked", "cpu_chunked_sum"}
+
+
+@nnx.jit
+def _prefill_then_decode(model, ids, mask):
+  """Logits of a full forward over ids[B, P], and of one decode step after a cached prefill."""
+  b, p = ids.shape
+  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+  cache_mask = jnp.zeros((b, p + 1), bool).at[:, :p].set(mask)
+  _, cache = model.forward_cached(ids, positions, model.init_cache(b, p + 1), 0, cache_mask)
+  step, _ = model.forward_cached(ids[:, -1:], positions[:, -1:] + 1, cache, p,
+                                 cache_mask.at[:, p].set(True))
+  return model(ids, mask), step
+
+
+@pytest.mark.parametrize("impl", sorted(ATTENTION_IMPLS))
+def test_every_attention_impl_matches_batched(impl, monkeypatch):
+  # One row per chunk and causal query blocks of 4, so that the CPU implementations' loops run at
+  # these small shapes (10 tokens: blocks of 4, 4 and 2).
+  from salt_jax.models import qwen2
+  monkeypatch.setattr(qwen2, "_ATTENTION_CHUNK_BYTES", 1)
+  monkeypatch.setattr(qwen2, "_CAUSAL_QUERY_BLOCK", 4)
+  tensors = random_state_dict(ModelConfig.tiny(), seed=0, std=0.1)
+  reference = load_state_dict(ModelConfig.tiny(attention_impl="batched"), tensors)
+  model = load_state_dict(ModelConfig.tiny(attention_impl=impl), tensors)
+  ids, mask = _prompts(4, 10, seed=3)
+  want_full, want_step = _prefill_then_decode(reference, ids, mask)
+  full, step = _prefill_then_decode(model, ids, mask)
+  # Only real tokens: at left padding a query's output is an average over whatever keys it sees.
+  np.testing.assert_allclose(np.asarray(full)[mask], np.asarray(want_full)[mask], atol=1e-5,
+                             rtol=0)
+  np.testing.assert_allclose(np.asarray(step), np.asarray(want_step), atol=1e-5, rtol=0)
+
+
 # ---- forward argument checks ----
 
 
@@ -448,12 +494,13 @@ def test_cut_attention_matches_whole_batch(cut, mesh, monkeypatch):
     (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
     return logits, grads
 
-  assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, model.activation_sharding) == 4
+  loops = qwen2._loops_over_batch(model.config.attention_impl, model.activation_sharding)
+  assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, loops) == 4
   assert qwen2._CAUSAL_QUERY_BLOCK >= 10
   whole_logits, whole_grads = logits_and_grads()
   if cut in ("rows", "both"):
     monkeypatch.setattr(qwen2, "_ATTENTION_CHUNK_BYTES", 1)
-    assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, model.activation_sharding) == 1
+    assert qwen2._attention_rows_per_chunk(4, 10 * 10 * 4, loops) == (1 if loops else 4)
   if cut in ("query_blocks", "both"):
     monkeypatch.setattr(qwen2, "_CAUSAL_QUERY_BLOCK", 4)
   logits, grads = logits_and_grads()
@@ -471,8 +518,11 @@ def test_attention_loops_run_only_where_nothing_is_sharded():
   from salt_jax.models.partitioning import ActivationSharding
   for mesh, loops in ((None, True), ("1x1", True), ("2x1", False), ("1x2", False)):
     shard = ActivationSharding(None if mesh is None else make_mesh(mesh))
-    assert qwen2._one_cpu_device(shard) == loops, mesh
-    assert qwen2._attention_rows_per_chunk(8, 1 << 30, shard) == (1 if loops else 8), mesh
+    for impl in ("cpu_chunked", "cpu_chunked_sum"):
+      assert qwen2._loops_over_batch(impl, shard) == loops, (impl, mesh)
+    assert not qwen2._loops_over_batch("batched", shard), mesh
+    chunked = qwen2._loops_over_batch("cpu_chunked", shard)
+    assert qwen2._attention_rows_per_chunk(8, 1 << 30, chunked) == (1 if loops else 8), mesh
 
 
 # ---- sharding ----

@@ -107,25 +107,37 @@ def test_greedy_is_argmax_of_full_forward_and_logprobs_match(setup):
 
 @pytest.mark.parametrize("avx512", [False, True])
 def test_both_cpu_decode_paths_match_the_full_forward(setup, avx512, monkeypatch):
-  """The decode step's kernels depend on the CPU (`salt_jax.hostcpu`): without AVX-512, Eigen
-  dots and multiply-and-sum attention; with it, YNNPACK and batched attention dots. Whichever CPU
-  runs the tests, both paths give the full forward's greedy tokens and log-probs."""
+  """The CPU's attention implementation follows its instruction set (`salt_jax.hostcpu`): without
+  AVX-512, Eigen dots and multiply-and-sum attention; with it, YNNPACK and batched attention dots.
+  Whichever CPU runs the tests, both paths give the full forward's greedy tokens and log-probs."""
+  import dataclasses
+
   from salt_jax import hostcpu
-  from salt_jax.models import qwen2
+  from salt_jax.models import default_attention_impl
   model, sampler, _, _, _ = setup
   monkeypatch.setattr(hostcpu, "has_avx512", lambda: avx512)
-  no_mesh = qwen2.ActivationSharding()
-  assert qwen2._decode_attention_by_sum(no_mesh) == (jax.default_backend() == "cpu"
-                                                     and not avx512)
-  assert (sampling._few_rows_compiler_options(None) is None) == (
-      avx512 or jax.default_backend() != "cpu")
-  fresh = Sampler(model, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD,
+  impl = default_attention_impl()
+  on_cpu = jax.default_backend() == "cpu"
+  assert impl == ("batched" if not on_cpu else "cpu_chunked" if avx512 else "cpu_chunked_sum")
+  assert (sampling._few_rows_compiler_options(impl) is None) == (avx512 or not on_cpu)
+  config = dataclasses.replace(CONFIG, attention_impl=impl)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
+  this_cpu = nnx.merge(graphdef, nnx.state(model))
+  assert this_cpu.config.attention_impl == impl
+  fresh = Sampler(this_cpu, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD,
                   max_cache_len=CACHE, prompt_buckets=(8,), batch_buckets=(4,))
   out = fresh(PROMPTS, jax.random.key(0), max_new_tokens=MAX_NEW, greedy=True)
   for prompt, toks, plp in zip(PROMPTS, out.tokens, out.policy_logprobs):
     steps = _log_softmax_full(model, prompt + toks.tolist())[len(prompt) - 1:][:len(toks)]
     np.testing.assert_array_equal(np.argmax(steps, axis=-1), toks)
     np.testing.assert_allclose(plp, steps[np.arange(len(toks)), toks], atol=1e-5)
+
+
+def test_doubling_buckets():
+  assert sampling.doubling_buckets(16, 128) == [16, 32, 64, 128]
+  assert sampling.doubling_buckets(16, 127) == [16, 32, 64]
+  assert sampling.doubling_buckets(16, 8) == [16]  # the shortest even past the longest
+  assert sampling.doubling_buckets(3, 3) == [3]
 
 
 def test_has_avx512_reads_the_cpu_flags(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ Games are generated once into the user cache (1 to 5 s each) and reused, so repe
 the determinism test generates into a temporary cache on purpose.
 """
 
-import pickle
 import random
 
 import pytest
@@ -154,13 +153,11 @@ def test_registry_makes_envs_and_task_lists():
     registry.make_env("no-such-env")
 
 
-def test_env_spec_is_picklable_and_builds_in_place():
-  spec = registry.EnvSpec("textworld", {"max_steps": 12, "quest_length": 5})
-  again = pickle.loads(pickle.dumps(spec))
-  assert again == spec
-  e = again.make()
+def test_registry_builds_textworld_from_one_kwargs_dict():
+  kwargs = {"max_steps": 12, "quest_length": 5}  # the env's and the task list's, in one dict
+  e = registry.make_env("textworld", **kwargs)
   assert isinstance(e, twg.TextWorldEnv) and e.max_steps == 12
-  assert again.tasks("heldout", num_tasks=1)[0].split == "heldout"
+  assert registry.task_list("textworld", "heldout", num_tasks=1, **kwargs)[0].split == "heldout"
 
 
 def test_task_list_alfworld_drops_env_only_kwargs():

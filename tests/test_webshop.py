@@ -414,8 +414,7 @@ def test_registry_builds_webshop():
   assert isinstance(e, ws.WebShopEnv) and e.max_steps == 7
   tasks = registry.task_list("webshop", "test", human_goals=True, max_steps=7, expert=True)
   assert tasks[0].task_id == "webshop-human-0" and e.reset(tasks[0]).observation
-  assert registry.EnvSpec("webshop", {"max_steps": 5}).tasks("train", num_tasks=2)[1].split == (
-      "train")
+  assert registry.task_list("webshop", "train", max_steps=5, num_tasks=2)[1].split == "train"
 
 
 # -- the agent side: prompts, parsing, a training iteration ------------------------------------

@@ -3,6 +3,10 @@
 One dataclass serves both families: they differ only in whether q/k/v carry a bias (Qwen2 does,
 Llama / SmolLM2 do not) and in config.json defaults. The config is frozen and hashable, so it can
 sit on a module as static data and key jit caches.
+
+Besides the architecture, the config names the attention implementation (`attention_impl`, one of
+`ATTENTION_IMPLS`): which XLA program computes the same attention. It is not part of config.json;
+`default_attention_impl` is the one place that picks it from the machine.
 """
 
 from __future__ import annotations
@@ -12,6 +16,36 @@ from collections.abc import Mapping
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+# Attention implementation name -> what it computes with. All give the same logits; they differ
+# in the programs XLA gets, each suited to one kind of target.
+ATTENTION_IMPLS: Mapping[str, str] = {
+    "batched": "each product as one batched dot over the whole batch and the whole causal "
+               "square (accelerators)",
+    "cpu_chunked": "on one CPU device, a few batch rows and causal query blocks at a time so "
+                   "scores stay in cache; decode steps as batched dots (CPUs with AVX-512)",
+    "cpu_chunked_sum": "as 'cpu_chunked', but a decode step's attention as multiply-and-sum "
+                       "along contiguous axes, and the sampler decodes a few rows with Eigen "
+                       "dots instead of YNNPACK (CPUs without AVX-512)",
+}
+
+
+def default_attention_impl(mesh=None) -> str:
+  """The attention implementation for the machine a model runs on.
+
+  The platform is that of `mesh`'s devices when given (a TPU topology compiled ahead of time on a
+  CPU host), else the default backend's. On CPU, the choice follows the host's instruction set
+  (`salt_jax.hostcpu.has_avx512`): YNNPACK's batched dots use AVX-512 kernels where the CPU has
+  them, and Eigen's fixed-ISA dots and multiply-and-sum serve AVX2-only CPUs.
+  """
+  import jax  # pylint: disable=import-outside-toplevel  (keeps config.json parsing jax-free)
+
+  from salt_jax import hostcpu  # pylint: disable=import-outside-toplevel
+
+  platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+  if platform != "cpu":
+    return "batched"
+  return "cpu_chunked" if hostcpu.has_avx512() else "cpu_chunked_sum"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +68,8 @@ class ModelConfig:
     bos_token_id: optional beginning-of-sequence id.
     eos_token_id: optional end-of-sequence id, or a tuple of them.
     model_type: 'qwen2' or 'llama'; only decides the config.json written by `to_hf_dict`.
+    attention_impl: one of `ATTENTION_IMPLS`; None: `default_attention_impl()`, picked when a
+      `CausalLM` is built. Not written to config.json (`to_hf_dict`), not read from it.
   """
 
   vocab_size: int
@@ -51,6 +87,7 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   model_type: str = "qwen2"
+  attention_impl: str | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -70,6 +107,9 @@ class ModelConfig:
     if self.model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, "
                        f"got {self.model_type!r}")
+    if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {tuple(ATTENTION_IMPLS)} (or None for "
+                       f"the machine's default), got {self.attention_impl!r}")
     if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 

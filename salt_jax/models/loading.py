@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 import safetensors.numpy
 
 from salt_jax.models.config import ModelConfig
-from salt_jax.models.partitioning import ActivationSharding, ShardingRules, specs_for_state
+from salt_jax.models.partitioning import ActivationSharding, ShardingRules, shardings_for_state
 from salt_jax.models.qwen2 import CausalLM
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -151,6 +151,16 @@ def _resolve_dtype(dtype) -> np.dtype:
   return resolved
 
 
+def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
+  """NamedSharding per parameter of `CausalLM(config)`, as a nested pure dict.
+
+  The structure equals `nnx.to_pure_dict(nnx.state(model, nnx.Param))`, so it zips with a
+  model's state or a loaded state dict. Nothing is allocated: the model is built abstractly.
+  """
+  abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+  return shardings_for_state(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)), mesh, rules)
+
+
 def load_state_dict(config: ModelConfig, tensors: Mapping[str, Any], *, dtype=None,
                     mesh: Mesh | None = None, rules: ShardingRules | None = None) -> CausalLM:
   """Builds a `CausalLM` from Hugging Face-named tensors, each placed straight on its sharding.
@@ -190,8 +200,7 @@ def load_state_dict(config: ModelConfig, tensors: Mapping[str, Any], *, dtype=No
   pure = nnx.to_pure_dict(state)
   if mesh is not None:
     rules = rules or ShardingRules()
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs_for_state(pure, mesh, rules),
-                             is_leaf=lambda x: isinstance(x, P))
+    shardings = shardings_for_state(pure, mesh, rules)
   else:
     device = SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, pure)
@@ -260,7 +269,8 @@ def _config_dtype(hf: Mapping[str, Any]):
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
-                    rules: ShardingRules | None = None) -> CausalLM:
+                    rules: ShardingRules | None = None,
+                    attention_impl: str | None = None) -> CausalLM:
   """Loads a local Hugging Face Qwen2 / Llama checkpoint folder into a `CausalLM`.
 
   The folder holds config.json and one `*.safetensors` file or several with
@@ -273,6 +283,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
       `torch_dtype`: float32, bfloat16 or float16), float32 when it names none.
     mesh: shard parameters over this ('data', 'model') mesh; None: first device.
     rules: PartitionSpecs to use instead of the defaults.
+    attention_impl: one of `ATTENTION_IMPLS` (not in config.json); None: the machine's default.
 
   Returns:
     The model; its ModelConfig is `model.config`.
@@ -289,7 +300,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
     raise ValueError(f"{path} has no config.json")
   with open(config_path) as fh:
     hf_config = json.load(fh)
-  config = ModelConfig.from_hf_dict(hf_config)
+  config = dataclasses.replace(ModelConfig.from_hf_dict(hf_config), attention_impl=attention_impl)
   if dtype is None:
     dtype = _config_dtype(hf_config)
   files = _checkpoint_files(path)

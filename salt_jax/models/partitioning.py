@@ -135,18 +135,10 @@ def specs_for_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) 
   return jax.tree_util.tree_map_with_path(one, state)
 
 
-def param_shardings(config, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
-  """NamedSharding per parameter of `CausalLM(config)`, as a nested pure dict.
-
-  The structure equals `nnx.to_pure_dict(nnx.state(model, nnx.Param))`, so it zips with a
-  model's state or a loaded state dict. Nothing is allocated: the model is built abstractly.
-  """
-  from salt_jax.models.qwen2 import CausalLM  # local: qwen2 imports this module
-
-  abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
-  pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-  specs = specs_for_state(pure, mesh, rules)
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+def shardings_for_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> Any:
+  """NamedSharding per leaf of a pure-dict (or nnx.State) of CausalLM parameters, same structure
+  (`specs_for_state` on `mesh`)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs_for_state(state, mesh, rules),
                       is_leaf=lambda x: isinstance(x, P))
 
 
@@ -159,9 +151,7 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules | None = None):
   rules = rules or ShardingRules()
   state = nnx.state(model, nnx.Param)
   pure = nnx.to_pure_dict(state)
-  specs = specs_for_state(pure, mesh, rules)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                           is_leaf=lambda x: isinstance(x, P))
+  shardings = shardings_for_state(pure, mesh, rules)
   nnx.replace_by_pure_dict(state, jax.tree.map(jax.device_put, pure, shardings))
   nnx.update(model, state)
   model.activation_sharding = ActivationSharding(mesh, rules)

@@ -16,6 +16,7 @@ Two entry points share one layer stack:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -24,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from salt_jax import _checks, hostcpu
-from salt_jax.models.config import ModelConfig
+from salt_jax import _checks
+from salt_jax.models.config import ModelConfig, default_attention_impl
 from salt_jax.models.partitioning import ActivationSharding
 
 # Finite, so a query with no valid key (a padding row) gets a uniform softmax instead of NaN.
@@ -40,9 +41,8 @@ class KVCache(NamedTuple):
   Heads before slots, so attention reads each (row, kv head)'s block as it lies (with
   [B, S, K, H], XLA:CPU transposed the whole cache at every decode step). Keys put the slots last
   so that both products run along a contiguous slot or head axis: q.K as [G, H] x [H, S], p.V as
-  [G, S] x [S, H]. A decode step on CPU computes them as multiply-and-sum over the contiguous axis;
-  with [S, H] keys that reduction was strided and slower than the batched dots, and with [H, S]
-  keys the benchmark model's batch-16 sampler ran 1.2x faster (see `Attention._attend_rows`).
+  [G, S] x [S, H]. A decode step on an AVX2-only CPU computes them as multiply-and-sum over the
+  contiguous axis (see `Attention._attend_rows`); with [S, H] keys that reduction would be strided.
   One buffer per layer, so a layer reads its keys in place (slicing one [layers, ...] buffer
   copied them).
   """
@@ -87,8 +87,7 @@ def token_matmul(x: jax.Array, w: jax.Array, n_in: int, **kwargs) -> jax.Array:
 
   x[*lead, *w.shape[:n_in]], w[*in, *out] -> [*lead, *out]; kwargs go to `jnp.matmul`. The
   flat token axis matters for training: an einsum over [B, T, ...] differentiates into weight
-  gradients that contract two axes, for which XLA:CPU transposes whole [B*T, F] activations
-  (the MLP's forward + backward ran 1.6x slower than with 2-d matmuls).
+  gradients that contract two axes, for which XLA:CPU transposes whole [B*T, F] activations.
   """
   lead = x.shape[:x.ndim - n_in]
   k = math.prod(w.shape[:n_in])
@@ -104,48 +103,23 @@ _ATTENTION_CHUNK_BYTES = 8 << 20
 _CAUSAL_QUERY_BLOCK = 256
 
 
-def _target_platform(shard: ActivationSharding) -> str:
-  """The platform the program is built for: its mesh's devices' (e.g. a TPU topology compiled
-  ahead of time on a CPU host), else the default backend's."""
-  if shard.mesh is not None:
-    return shard.mesh.devices.flat[0].platform
-  return jax.default_backend()
-
-
-def _one_cpu_device(shard: ActivationSharding) -> bool:
-  """Sequential loops over rows or query blocks pay off only here: accelerators want the whole
-  batch in one op, and a batch sharded over a mesh must not be cut into a sequential loop. A
-  one-device mesh (the trainer's 1x1) shards nothing: without the loops there, an ALFWorld
-  prefill of 8 rows x 4,096 tokens held 7 GB of scores and masks at once."""
+def _loops_over_batch(impl: str, shard: ActivationSharding) -> bool:
+  """Whether attention runs sequential loops over rows and query blocks: a 'cpu_chunked*'
+  implementation, on a batch that no mesh splits over several devices (a sequential loop over a
+  sharded batch would serialize the devices). A one-device mesh (the trainer's 1x1) shards
+  nothing, so the loops run there: without them a long prefill (ALFWorld: 8 rows x 4,096 tokens)
+  holds every row's scores and masks at once."""
   one_device = shard.mesh is None or shard.mesh.devices.size == 1
-  return one_device and _target_platform(shard) == "cpu"
+  return impl != "batched" and one_device
 
 
-def _attention_rows_per_chunk(batch: int, scores_per_row: int, shard: ActivationSharding) -> int:
-  """Rows of the batch that attend together; all of them unless on a single CPU device.
-
-  On 2 CPU cores, a training step of a 4-layer model (batch 32, 255 tokens) ran 1.1x (CPU time)
-  to 1.3x (wall) faster with 8 rows at a time than with the whole batch, whose scores and
-  probabilities spill out of cache.
-  Accelerators want the whole batch, and a batch sharded over a mesh must not be cut into a
-  sequential loop.
-  """
-  if not _one_cpu_device(shard):
+def _attention_rows_per_chunk(batch: int, scores_per_row: int, loops: bool) -> int:
+  """Rows of the batch that attend together: the whole batch unless `loops`, else the largest
+  divisor of it whose f32 scores fit in `_ATTENTION_CHUNK_BYTES` (at least one row)."""
+  if not loops:
     return batch
   rows = max(1, _ATTENTION_CHUNK_BYTES // (4 * scores_per_row))
   return max(d for d in range(1, min(rows, batch) + 1) if batch % d == 0)
-
-
-def _decode_attention_by_sum(shard: ActivationSharding) -> bool:
-  """Whether a decode step (one query per row) computes attention as multiply-and-sum.
-
-  On an AVX2-only CPU the B*K products of [G, H] x [H, S] were too small for Eigen's batched dot
-  (6 to 11 us on each [2, 64] x [64, 96]); multiply-and-sum along the contiguous H (keys) and S
-  (values) axes vectorized instead (benchmark model, batch 16: attention 2.2 -> 0.9 ms a decode
-  step). Where the CPU has AVX-512 the sampler decodes with YNNPACK, whose batched dots are faster
-  than the sums (one layer at batch 16: 48 vs 152 us with 96 slots, 0.41 vs 2.6 ms with 1,024).
-  """
-  return _target_platform(shard) == "cpu" and not hostcpu.has_avx512()
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype):
@@ -167,7 +141,10 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with RoPE and optional q/k/v bias."""
+  """Grouped-query self-attention with RoPE and optional q/k/v bias.
+
+  `config.attention_impl` (resolved, not None) picks the program: see `ATTENTION_IMPLS`.
+  """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
     c = config
@@ -181,6 +158,7 @@ class Attention(nnx.Module):
       self.k_bias = nnx.Param(jnp.zeros((k, h), param_dtype))
       self.v_bias = nnx.Param(jnp.zeros((k, h), param_dtype))
     self.use_bias = c.attention_bias
+    self.impl = c.attention_impl
     self.scale = c.head_dim ** -0.5
     self.dtype = dtype
 
@@ -205,7 +183,7 @@ class Attention(nnx.Module):
       so a query never needs a later key.
     """
     t = q.shape[1]
-    if causal and t > _CAUSAL_QUERY_BLOCK and _one_cpu_device(shard):
+    if causal and t > _CAUSAL_QUERY_BLOCK and _loops_over_batch(self.impl, shard):
       # A block of queries at a time, over the keys up to the block's last one: about half the
       # score FLOPs of the full square, and a block's scores stay in cache.
       outs = []
@@ -222,7 +200,7 @@ class Attention(nnx.Module):
   def _attend_chunked(self, q, k, v, mask, shard: ActivationSharding):
     """`_attend_rows`, a few rows of the batch at a time where that keeps scores in cache."""
     b, t, n, h = q.shape
-    rows = _attention_rows_per_chunk(b, n * t * v.shape[2], shard)
+    rows = _attention_rows_per_chunk(b, n * t * v.shape[2], _loops_over_batch(self.impl, shard))
     if rows == b:
       out = self._attend_rows(q, k, v, mask, shard)
     else:
@@ -239,9 +217,11 @@ class Attention(nnx.Module):
     kv_heads, s = v.shape[1], v.shape[2]
     g = n // kv_heads
     # Queries of one kv head side by side, [B, K, G*T, H]: one plain batched matmul per (row,
-    # kv head); XLA:CPU ran it 1.3x to 2x faster than a 5-d einsum (prefill and decode).
+    # kv head), which XLA:CPU runs faster than a 5-d einsum (prefill and decode).
     qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
-    by_sum = t == 1 and _decode_attention_by_sum(shard)
+    # Multiply-and-sum along the contiguous H (keys) and S (values) axes: on AVX2-only CPUs a
+    # decode step's B*K products of [G, H] x [H, S] are too small for Eigen's batched dot.
+    by_sum = t == 1 and self.impl == "cpu_chunked_sum"
     if by_sum:
       scores = jnp.sum(qg[..., None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32),
                        axis=-2)
@@ -292,7 +272,8 @@ class CausalLM(nnx.Module):
   """Qwen2 / Llama decoder with an output head.
 
   Args:
-    config: the architecture.
+    config: the architecture and attention implementation; an `attention_impl` of None becomes
+      `default_attention_impl()` here, once, so `model.config` always names one.
     rngs: initializers' randomness (weights N(0, 0.02), biases 0, norm scales 1).
     dtype: compute dtype of activations (and of the KV cache by default).
     param_dtype: storage dtype of parameters.
@@ -306,6 +287,8 @@ class CausalLM(nnx.Module):
                param_dtype=jnp.float32):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if config.attention_impl is None:
+      config = dataclasses.replace(config, attention_impl=default_attention_impl())
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     self.config = config
     self.dtype = dtype
