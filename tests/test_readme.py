@@ -28,3 +28,26 @@ def test_readme_python_example_runs():
   with contextlib.redirect_stdout(out):
     exec(compile(code, "README.md", "exec"), {})
   assert out.getvalue().strip() == "[0 1 0 2] 0.25"
+
+
+def _slug(heading):
+  """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_in_readme_and_docs_point_at_repo_paths():
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+  broken = []
+  for page in pages:
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue  # a URL or an anchor on the same page
+      path, _, anchor = target.partition("#")
+      resolved = (page.parent / path).resolve()
+      if not resolved.exists() or ROOT not in (resolved, *resolved.parents):
+        broken.append(f"{page.relative_to(ROOT)}: {target}")
+      elif anchor and resolved.suffix == ".md":
+        headings = re.findall(r"^#+ (.+)$", resolved.read_text(), re.M)
+        if anchor not in {_slug(h) for h in headings}:
+          broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+  assert not broken, broken
