@@ -68,6 +68,9 @@ class PolicyConfig:
                                       "behaviour-cloning warm start)")
   param_dtype: str = _field("float32", "parameters and compute of a --model checkpoint: float32 "
                             "(AdamW's small steps round away on bf16 weights) or bfloat16")
+  attention_impl: Optional[str] = _field(None, "which program computes attention: a name in "
+                                         "salt_jax.models.ATTENTION_IMPLS (default: "
+                                         "default_attention_impl() picks one for the machine)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +174,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     from salt_jax import multihost
     from salt_jax.advantages import ESTIMATORS
     from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
+    from salt_jax.models.config import ATTENTION_IMPLS
     from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
     from salt_jax.sharding import parse_mesh_shape
 
@@ -194,6 +198,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("kl_estimator", KL_ESTIMATORS)
     one_of("loss_agg", LOSS_AGG_MODES)
     one_of("param_dtype", PARAM_DTYPES)
+    one_of("attention_impl", (None, *ATTENTION_IMPLS))
     one_of("invalid_step", INVALID_STEP_MODES)
     one_of("penalty_scope", PENALTY_SCOPES)
     one_of("group_stats", GROUP_STATS)

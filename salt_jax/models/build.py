@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -81,12 +82,14 @@ def policy_config(config: TrainConfig, tokenizer) -> tuple[ModelConfig, jnp.dtyp
   """(ModelConfig, parameter dtype) of the run's policy, without building it."""
   if config.model is not None:
     with open(os.path.join(config.model, "config.json"), encoding="utf-8") as f:
-      return ModelConfig.from_hf_dict(json.load(f)), jnp.dtype(config.param_dtype)
+      mcfg = ModelConfig.from_hf_dict(json.load(f))
+    return (dataclasses.replace(mcfg, attention_impl=config.attention_impl),
+            jnp.dtype(config.param_dtype))
   vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad their embedding
   fields = {**TINY_POLICY, **config.tiny_policy}
   eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-  return ModelConfig(vocab_size=vocab, eos_token_id=eos,
-                     max_position_embeddings=config.max_cache_len, **fields), jnp.dtype("float32")
+  return ModelConfig(vocab_size=vocab, eos_token_id=eos, max_position_embeddings=config.max_cache_len,
+                     attention_impl=config.attention_impl, **fields), jnp.dtype("float32")
 
 
 def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
@@ -94,7 +97,8 @@ def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
   if config.model is not None:
     # float32 by default whatever the checkpoint holds: AdamW steps of ~1e-6 on bf16 weights
     # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.
-    return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype))
+    return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype),
+                           attention_impl=config.attention_impl)
   mcfg, _ = policy_config(config, tokenizer)
   return shard_model(CausalLM(mcfg, rngs=nnx.Rngs(config.seed)), mesh)
 
