@@ -59,7 +59,7 @@ ALFWORLD = dict(env="alfworld", env_kwargs=dict(expert_type="planner"), num_trai
 # The policy is the trainer's default tiny Qwen2 (2 layers, d_model 64).
 BASE = dict(
     tokenizer="toy", group_size=8, tasks_per_iter=4, max_new_tokens=24, max_cache_len=3072,
-    prompt_bucket_min=256, temperature=1.0, algo="grpo", salt=True, history=3, lr=2e-4,
+    prompt_bucket_min=256, temperature=1.0, algo="grpo", salt=True, salt_history=3, lr=2e-4,
     kl_coef=0.01, minibatch_rows=8, min_seq_len=256, env_workers=0, iters=8,
     num_eval_tasks=EVAL_TASKS, max_to_keep=1, tensorboard=False, progress=False)
 # The warm start clones one walkthrough of each training game until it replays about half of
@@ -90,7 +90,7 @@ def experiment_runs(name: str, seeds: list[int]) -> tuple[dict, list[Run]]:
   if name == "history":
     runs = [Run(f"GRPO-s{s}", s, dict(algo="grpo", salt=False), {"method": "GRPO", "h": 0})
             for s in seeds]
-    runs += [Run(f"SALT-h{h}-s{s}", s, dict(algo="grpo", salt=True, history=h),
+    runs += [Run(f"SALT-h{h}-s{s}", s, dict(algo="grpo", salt=True, salt_history=h),
                  {"method": "GRPO+SALT", "h": h}) for s in seeds for h in (1, 2, 3, 4, 5)]
     return TEXTWORLD, runs
   if name == "group-size":

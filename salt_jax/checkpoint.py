@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from salt_jax import multihost
+from salt_jax.config import with_current_names
 from salt_jax.sharding import replicated
 
 # Fields a --resume may change: where the run writes and what it reports, how far it runs, how
@@ -191,7 +192,7 @@ class RunCheckpoints:
                          "configuration (only iters, out, eval_every, progress may change on "
                          "--resume)")
       return
-    diffs = config_differences(meta["config"], self.compared_config())
+    diffs = config_differences(with_current_names(meta["config"]), self.compared_config())
     if diffs:
       raise ValueError(
           f"--resume: settings differ from the run saved in {self.config.out}: "

@@ -31,7 +31,7 @@ import time
 import typing
 from typing import Any, Mapping, Optional, Sequence
 
-from salt_jax.config import SECTIONS, TrainConfig
+from salt_jax.config import RENAMED_FIELDS, SECTIONS, TrainConfig
 from salt_jax.recipes import RECIPES
 
 # Flags that are not config fields, and their defaults (a script may override them).
@@ -100,15 +100,16 @@ def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax traini
     g = p.add_argument_group(section.__name__, section.__doc__)
     for f in dataclasses.fields(section):
       flag = "--" + f.name.replace("_", "-")
+      old = [f"--{o.replace('_', '-')}" for o, new in RENAMED_FIELDS.items() if new == f.name]
       default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING
                              else f.default_factory())
       kind, optional = _field_type(section, f.name)
       text = f"{f.metadata.get('help', '')} (default: {default!r})"
       if kind is bool:
-        g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
+        g.add_argument(flag, *old, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
       else:
-        g.add_argument(flag, dest=f.name, type=_parse_value(kind, optional, flag), help=text,
-                       metavar=getattr(kind, "__name__", "X").upper())
+        g.add_argument(flag, *old, dest=f.name, type=_parse_value(kind, optional, flag),
+                       help=text, metavar=getattr(kind, "__name__", "X").upper())
   return p
 
 

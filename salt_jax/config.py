@@ -83,8 +83,9 @@ class RolloutConfig:
   temperature: float = _field(1.0, "sampling temperature")
   top_p: float = _field(1.0, "nucleus sampling mass")
   top_k: int = _field(0, "top-k sampling (0: off)")
-  history_window: Optional[int] = _field(None, "the prompt holds the last k steps (needs --layout "
-                                         "step; default: the whole conversation)")
+  prompt_history: Optional[int] = _field(None, "the prompt holds the last k (observation, action) "
+                                         "steps (needs --layout step; default: the whole "
+                                         "conversation)")
   max_cache_len: int = _field(8192, "prompt + response tokens at most (the KV cache)")
   prompt_bucket_min: int = _field(128, "smallest sampler prompt bucket")
   invalid_action_penalty: float = _field(0.1, "reward lost per invalid step")
@@ -105,7 +106,8 @@ class AlgorithmConfig:
   group_stats: str = _field("trajectories", "group statistics over trajectories (one vote each) "
                             "or over step rows (steps: verl-agent's)")
   salt: bool = _field(True, "SALT step-level advantages")
-  history: int = _field(3, "SALT's state: the last h (action, observation) pairs")
+  salt_history: int = _field(3, "SALT's h: a merged state is the last h (action, observation) "
+                             "pairs")
   embedder: Optional[str] = _field(None, "merge by embeddings: minilm or a local "
                                    "sentence-transformers folder (default: exact matches)")
   embed_threshold: float = _field(0.8, "cosine above which embedded states and actions merge")
@@ -160,6 +162,16 @@ class RunConfig:
   process_id: Optional[int] = _field(None, "this process's index")
 
 
+# Fields renamed since runs were saved, old name -> new: `from_json`, `--resume` and the command
+# line read the old names too.
+RENAMED_FIELDS = {"history": "salt_history", "history_window": "prompt_history"}
+
+
+def with_current_names(data: dict) -> dict:
+  """`data` (a saved config) with renamed fields under their current names."""
+  return {RENAMED_FIELDS.get(k, k): v for k, v in data.items()}
+
+
 SECTIONS = (EnvConfig, PolicyConfig, RolloutConfig, AlgorithmConfig, UpdateConfig, RunConfig)
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +214,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("invalid_step", INVALID_STEP_MODES)
     one_of("penalty_scope", PENALTY_SCOPES)
     one_of("group_stats", GROUP_STATS)
-    for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "history",
+    for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "salt_history",
                  "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
                  "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):
       pos_int(name)
@@ -230,11 +242,11 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
          f"{self.embedder!r}")
     need(0 < self.embed_threshold <= 1, f"embed_threshold must be in (0, 1], got "
          f"{self.embed_threshold}")
-    need(self.history_window is None or self.history_window >= 0,
-         f"history_window must be None or >= 0, got {self.history_window}")
-    need(not (self.layout == "trajectory" and self.history_window is not None),
+    need(self.prompt_history is None or self.prompt_history >= 0,
+         f"prompt_history must be None or >= 0, got {self.prompt_history}")
+    need(not (self.layout == "trajectory" and self.prompt_history is not None),
          "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
-         "use layout='step' with a history_window")
+         "use layout='step' with a prompt_history")
     need(self.model is None or os.path.isdir(self.model),
          f"--model {self.model!r} is not a local folder (Hugging Face hub ids are not fetched)")
     need(self.init_params is None or os.path.isdir(self.init_params),
@@ -261,6 +273,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     """The config `to_json` wrote (JSON lists back to tuples). A field this version does not
     have raises ValueError naming it, or is dropped with `ignore_unknown` (an older run's)."""
     names = {f.name for f in dataclasses.fields(cls)}
+    data = with_current_names(data)
     unknown = sorted(set(data) - names)
     if unknown and not ignore_unknown:
       raise ValueError(f"unknown config fields: {', '.join(unknown)}")

@@ -16,7 +16,7 @@ VERL_AGENT = {
     # Prompts: single-turn, the last 2 (observation, action) pairs (ppo_trainer.yaml
     # env.history_length: 2; agent_system/environments/prompts/alfworld.py,
     # agent_system/memory/memory.py), one training row per step.
-    "history_window": 2,
+    "prompt_history": 2,
     "layout": "step",
     # Rewards: 10 x won on every step row (agent_system/reward_manager/episode.py); 0.1 off the
     # invalid step's own row (ray_trainer.py apply_invalid_action_penalty, run_alfworld.sh
@@ -33,7 +33,7 @@ VERL_AGENT = {
     "group_size": 8,
     "tasks_per_iter": 16,
     "max_steps": 50,
-    "history": 3,
+    "salt_history": 3,
     "max_new_tokens": 512,        # data.max_response_length=512
     "max_cache_len": 2560,        # max_prompt_length 2048 + 512 (longer prompts end the episode
                                   # here as truncated; verl errors on them)

@@ -246,7 +246,7 @@ def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: f
   pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
   batch = demo_token_batch(demos, tok, pad_id=pad,
                            prompt_config=env_prompt_config(cfg.env,
-                                                           history_window=cfg.history_window),
+                                                           history_window=cfg.prompt_history),
                            layout=cfg.layout, min_length=cfg.min_seq_len,
                            max_length=cfg.max_cache_len)
   before = nll(model, batch)

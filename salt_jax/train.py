@@ -267,7 +267,7 @@ class Trainer:
     if cfg.salt and cfg.embedder not in (None, "none"):
       from salt_jax.embedders import SentenceEmbedder
       self.embedder = SentenceEmbedder(None if cfg.embedder == "minilm" else cfg.embedder)
-    self.prompt_config = env_prompt_config(cfg.env, history_window=cfg.history_window)
+    self.prompt_config = env_prompt_config(cfg.env, history_window=cfg.prompt_history)
     self.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                    stop_strings=(STOP_STRING,))
 
@@ -385,7 +385,7 @@ class Trainer:
     with self.times("salt"):
       if cfg.salt:
         trajs, groups = batch.trajectories_for_salt()
-        merge = build_merge_ids(trajs, groups, history=cfg.history, embedder=self.embedder,
+        merge = build_merge_ids(trajs, groups, history=cfg.salt_history, embedder=self.embedder,
                                 threshold=cfg.embed_threshold)
         merge_ids[:nsteps] = merge.ids
         segments = batching.bucket_length(merge.num_segments, 64)

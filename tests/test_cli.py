@@ -36,10 +36,10 @@ def test_every_field_has_a_flag_and_one_section():
 def test_flags_parse_to_the_fields_types(tmp_path):
   cfg, args = cli.config_from([
       "--group-size", "6", "--lr", "3e-4", "--no-salt", "--env-kwargs", '{"num_rooms": 3}',
-      "--eval-splits", "valid_seen, valid_unseen", "--history-window", "2", "--layout", "step",
+      "--eval-splits", "valid_seen, valid_unseen", "--prompt-history", "2", "--layout", "step",
       "--clip-eps-high", "none", "--embedder", "none", "--out", str(tmp_path / "r"),
       "--sft-warmstart"])
-  assert (cfg.group_size, cfg.lr, cfg.salt, cfg.env_kwargs, cfg.eval_splits, cfg.history_window,
+  assert (cfg.group_size, cfg.lr, cfg.salt, cfg.env_kwargs, cfg.eval_splits, cfg.prompt_history,
           cfg.layout, cfg.clip_eps_high, cfg.embedder, cfg.out) == (
               6, 3e-4, False, {"num_rooms": 3}, ("valid_seen", "valid_unseen"), 2, "step", None,
               None, str(tmp_path / "r"))
@@ -120,3 +120,23 @@ def test_a_runs_saved_config_reruns_it(tmp_path):
       rows.append(json.loads(f.readline()))
   for key in ("success_rate", "num_steps", "valid_action_ratio", "response_tokens"):
     assert rows[0][key] == rows[1][key], key
+
+
+def test_renamed_fields_read_under_their_old_names(tmp_path):
+  cfg = TrainConfig.from_json({"history": 2, "history_window": 1, "layout": "step"})
+  assert (cfg.salt_history, cfg.prompt_history) == (2, 1)
+  cfg, _ = cli.config_from(["--history", "4", "--history-window", "2", "--out", "x"])
+  assert (cfg.salt_history, cfg.prompt_history) == (4, 2)
+  # a checkpoint whose saved config has the old names resumes, and is compared under the new ones
+  from salt_jax.checkpoint import RunCheckpoints  # pylint: disable=import-outside-toplevel
+  run = tmp_path / "run"
+  cfg = TrainConfig(out=str(run), resume=True)
+  old = {"salt_history": "history", "prompt_history": "history_window"}
+  saved = {old.get(k, k): v for k, v in RunCheckpoints(cfg, None).compared_config().items()}
+  assert "history" in saved and "salt_history" not in saved
+  meta = run / "checkpoints" / "1" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"iteration": 1, "config": saved}))
+  RunCheckpoints(cfg, None).check_start()
+  with pytest.raises(ValueError, match="salt_history: saved 3, now 5"):
+    RunCheckpoints(dataclasses.replace(cfg, salt_history=5), None).check_start()

@@ -127,9 +127,9 @@ def test_equal_rows_give_exactly_zero(batch):
 def test_recipe_values_and_overrides():
   cfg = TrainConfig.from_recipe("verl-agent", lr=3e-6)
   cfg.validate()
-  assert (cfg.history_window, cfg.layout, cfg.reward_scale, cfg.penalty_scope, cfg.invalid_step,
+  assert (cfg.prompt_history, cfg.layout, cfg.reward_scale, cfg.penalty_scope, cfg.invalid_step,
           cfg.group_stats) == (2, "step", 10.0, "step", "format", "steps")
-  assert (cfg.group_size, cfg.history, cfg.max_steps, cfg.tasks_per_iter) == (8, 3, 50, 16)
+  assert (cfg.group_size, cfg.salt_history, cfg.max_steps, cfg.tasks_per_iter) == (8, 3, 50, 16)
   assert cfg.lr == 3e-6
   assert set(recipes.VERL_AGENT) <= {f.name for f in dataclasses.fields(TrainConfig)}
   with pytest.raises(ValueError, match="unknown recipe"):
@@ -149,7 +149,7 @@ def test_cli_recipe_flag_sets_the_recipe_and_explicit_flags_win(tmp_path):
   script_defaults = dict(cli.CPU_SIZED, env="alfworld", max_steps=6)
   cfg, _ = cli.config_from(["--recipe", "verl-agent", "--group-size", "4", "--out",
                             str(tmp_path)], script_defaults)
-  assert (cfg.group_size, cfg.history_window, cfg.layout, cfg.reward_scale,
+  assert (cfg.group_size, cfg.prompt_history, cfg.layout, cfg.reward_scale,
           cfg.penalty_scope, cfg.invalid_step, cfg.group_stats, cfg.max_steps) == (
               4, 2, "step", 10.0, "step", "format", "steps", 50)
   with pytest.raises(SystemExit, match="unknown --recipe"):

@@ -28,7 +28,7 @@ def test_runs_differ_only_in_the_compared_setting(name):
   for r in runs:
     by_seed.setdefault(r.seed, []).append(r)
   assert sorted(by_seed) == [0, 1, 2]
-  compared = {"algo", "salt", "history", "group_size", "tasks_per_iter", "embedder"}
+  compared = {"algo", "salt", "salt_history", "group_size", "tasks_per_iter", "embedder"}
   for rs in by_seed.values():
     assert len(rs) == len(runs) // 3
     for r in rs:

@@ -396,7 +396,7 @@ def test_rloo_with_the_embedder(warm, tmp_path):
   np.testing.assert_allclose(before, want, atol=1e-6)
   assert np.any(want != 0) and np.any(after != before)
   trajs, groups = batch.trajectories_for_salt()
-  exact = salt_jax.build_merge_ids(trajs, groups, history=cfg.history)
+  exact = salt_jax.build_merge_ids(trajs, groups, history=cfg.salt_history)
   assert row["merge_rate"] >= exact.merge_rate
   assert row["num_updates"] >= 1 and math.isfinite(row["loss"])
 
@@ -440,7 +440,7 @@ def test_nan_guard_skips_the_update(run_a):
     (dict(group_size=1), "no baseline: .* every advantage is 0"),
     (dict(algo="ppo"), "unknown algo"),
     (dict(mesh="4by2"), "DxM"),
-    (dict(layout="trajectory", history_window=2), "whole-history"),
+    (dict(layout="trajectory", prompt_history=2), "whole-history"),
     (dict(model="/no/such/folder"), "not a local folder"),
     (dict(tokenizer="nope"), "tokenizer"),
     (dict(mesh="3x3"), "needs 9 devices"),  # 8 simulated CPU devices in tests
