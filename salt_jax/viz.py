@@ -3,15 +3,15 @@
 Nodes are states (the last h (action, observation) pairs, the root being the task); edges are
 actions. Steps that SALT merged are drawn as one edge labelled with its multiplicity, so the shared
 trunk and the divergent branches of a group are visible at a glance, and the edge colour shows the
-advantage before (left) and after (right) refinement.
+advantage before (left) and after (right) refinement. Edges carry numbers, placed where they overlap
+no other label; a table under the panels gives each number's action, as the action parser reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
-
 import re
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -102,18 +102,19 @@ def _edge_order(lay: GraphLayout) -> np.ndarray:
   return np.lexsort((-dst[:, 1], -src[:, 1], src[:, 0]))
 
 
-def _place_labels(ax, labels, segments, taken):
+def _place_labels(ax, labels, segments) -> None:
   """Moves each label along its edge (then off it) to the first spot where its box overlaps no
-  box in `taken` and stays inside the axes; appends the boxes it takes to `taken`."""
+  label placed before it and stays inside the axes (the fewest overlaps when none is free)."""
   renderer = ax.figure.canvas.get_renderer()
   inside = ax.get_window_extent(renderer)
   pad = 2.0  # pixels kept free around each label
+  taken = []
   for text, ((x0, y0), (x1, y1)) in zip(labels, segments):
     best = None
     for frac in (0.5, 0.35, 0.65, 0.2, 0.8):
       for dy in (0.0, 0.18, -0.18, 0.36, -0.36):
         text.set_position((x0 + frac * (x1 - x0), y0 + frac * (y1 - y0) + dy))
-        box = text.get_window_extent(renderer).expanded(1.0, 1.0).padded(pad)
+        box = text.get_window_extent(renderer).padded(pad)
         hits = sum(box.overlaps(b) for b in taken)
         hits += 0 if (inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1)) else 1
         if best is None or hits < best[0]:
@@ -233,7 +234,7 @@ def plot_trajectory_graph(trajectories, advantages_before, advantages_after, *, 
   if title:
     fig.suptitle(title)
   for ax, labels, segments in placed:  # the layout is final: put the numbers where they fit
-    _place_labels(ax, labels, segments, [])
+    _place_labels(ax, labels, segments)
   for n, e in enumerate(order):
     mid, mult = int(lay.edges[e, 2]), int(lay.edges[e, 3])
     x, y = (n // table_rows) / ncol + 0.02, 1.0 - (n % table_rows + 0.5) / table_rows
