@@ -290,7 +290,8 @@ def trajectory_graph_figure(out_root: str, docs: str, seed: int = 0, group_size:
   merge = salt_jax.build_merge_ids(trajs, groups, history=3)
   after = np.asarray(salt_jax.refine(before, merge.ids, merge.num_segments))
   won = int(batch.success.sum())
-  fig = plot_trajectory_graph(trajs, before, after, history=3, merge=merge, title=(
+  fig = plot_trajectory_graph(trajs, before, after, history=3, merge=merge,
+                              valid=batch.step_valid, title=(
       f"one group on TextWorld game {task.task_id}: {group_size} trajectories of the warm-started "
       f"policy, {won} won; GRPO advantages before and after SALT (h=3)"))
   path = os.path.join(docs, "trajectory_graph.png")

@@ -6,6 +6,9 @@ handler. `configure` sends those records to stderr: the training scripts call it
 logger (so a notebook shows progress too). Levels: INFO for each phase of setup and of an
 iteration, DEBUG for each turn of a rollout and each mini-batch of an update, WARNING for only
 what needs attention.
+
+`progress_bar` is the bar inside a phase (the turns of a rollout, the mini-batches of an update):
+tqdm on stderr, a widget in a notebook that has ipywidgets, and a silent pass-through when off.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Optional, TextIO, Union
+from typing import Iterable, Optional, TextIO, Union
 
 LOGGER_NAME = "salt_jax"
 ENV_VAR = "SALT_JAX_LOG_LEVEL"
@@ -54,3 +57,29 @@ def configure(level: Union[str, int, None] = None, stream: Optional[TextIO] = No
   logger.setLevel(level_of(level))
   logger.propagate = False  # one line per record, whatever the root logger does
   return logger
+
+
+def progress_bar(iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: str = "",
+                 enabled: bool = True, *, unit: str = "it", stream: Optional[TextIO] = None):
+  """A tqdm bar over `iterable` (or one to `update()` by hand) that says how far a phase is.
+
+  Args:
+    iterable: what to iterate over (None: call `.update(n)` yourself).
+    total: the expected count (len(iterable) when None and it has one).
+    desc: the bar's prefix, e.g. "rollout" or "update".
+    enabled: False gives tqdm's disabled bar: it iterates and accepts `update`, `set_postfix` and
+      `close`, and writes nothing.
+    unit: what one step is ("turn", "batch").
+    stream: where the bar goes; stderr (the one current at the call) when None, never stdout.
+  Returns:
+    A `tqdm.auto` bar (a notebook widget when ipywidgets is installed, text otherwise) that
+    disappears when closed (leave=False), so phase bars do not pile up under the iteration lines.
+  """
+  # pylint: disable=import-outside-toplevel
+  try:
+    import ipywidgets  # noqa: F401  (tqdm.auto's notebook bar needs it, and warns without it)
+    from tqdm.auto import tqdm
+  except ImportError:
+    from tqdm import tqdm
+  return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
+              file=stream if stream is not None else sys.stderr, disable=not enabled)

@@ -1,9 +1,10 @@
 """Per-iteration metrics: one JSON object per line, TensorBoard scalars and histograms (through
-tensorboardX), a plain-text progress line.
+tensorboardX), optionally Weights & Biases or MLflow (`Tracker`), a plain-text progress line.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
@@ -106,6 +107,51 @@ def read_jsonl(path: str) -> list[dict]:
   return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
+# ----------------------------------------------------------------------------- W&B / MLflow
+
+TRACKERS = ("wandb", "mlflow")
+
+
+class Tracker:
+  """Each row's numbers to Weights & Biases or MLflow; neither is a dependency of salt-jax.
+
+  wandb: `wandb.init(project=, name=, config=)`, then `run.log(row, step=iteration)`.
+  mlflow: `mlflow.set_experiment(project)`, `mlflow.start_run(run_name=)`, the config as params,
+  then `mlflow.log_metrics(row, step=iteration)`. Their own settings (API keys, tracking URI) come
+  from their environment variables as usual.
+  """
+
+  def __init__(self, name: str, *, project: str = "salt-jax", run_name: Optional[str] = None,
+               config: Optional[Mapping[str, Any]] = None):
+    if name not in TRACKERS:
+      raise ValueError(f"tracker must be one of {TRACKERS}, got {name!r}")
+    try:
+      self._mod = importlib.import_module(name)
+    except ImportError as e:
+      raise ImportError(f"the {name} tracker needs `pip install {name}`") from e
+    self.name = name
+    config = dict(config or {})
+    if name == "wandb":
+      self._run = self._mod.init(project=project, name=run_name, config=config)
+    else:
+      self._mod.set_experiment(project)
+      self._run = self._mod.start_run(run_name=run_name)
+      if config:
+        self._mod.log_params({k: str(v)[:500] for k, v in flatten(config).items()})
+
+  def log(self, step: int, scalars: Mapping[str, float]) -> None:
+    if self.name == "wandb":
+      self._run.log(dict(scalars), step=step)
+    else:
+      self._mod.log_metrics(dict(scalars), step=step)
+
+  def close(self) -> None:
+    if self.name == "wandb":
+      self._run.finish()
+    else:
+      self._mod.end_run()
+
+
 class MetricsLogger:
   """Writes each iteration's flat metrics dict to `<out>/metrics.jsonl` and `<out>/tb/`.
 
@@ -113,12 +159,16 @@ class MetricsLogger:
   iteration are dropped first: a run killed after logging an iteration but before its checkpoint
   completed logs that iteration again, so each iteration is in the log once.
   With write=False (the other processes of a multi-process run) it only builds the rows.
+  `tracker`: None (the default), or a `Tracker` (W&B or MLflow) that gets every row's numbers too
+  and is closed with the logger.
   """
 
   def __init__(self, out_dir: str, *, tensorboard: bool = True,
-               truncate_from: Optional[int] = None, write: bool = True):
+               truncate_from: Optional[int] = None, write: bool = True,
+               tracker: Optional[Tracker] = None):
     self.write = write
     self._tb = None
+    self._tracker = tracker if write else None
     if not write:
       return
     os.makedirs(out_dir, exist_ok=True)
@@ -147,15 +197,19 @@ class MetricsLogger:
       return row
     with open(self.jsonl_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(row, sort_keys=True) + "\n")
+    scalars = {k: v for k, v in row.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
     if self._tb is not None:
-      self._tb.write(iteration, {k: v for k, v in row.items()
-                                 if isinstance(v, (int, float)) and not isinstance(v, bool)
-                                 and k != "iteration"}, histograms)
+      self._tb.write(iteration, scalars, histograms)
+    if self._tracker is not None:
+      self._tracker.log(iteration, scalars)
     return row
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+    if self._tracker is not None:
+      self._tracker.close()
 
 
 class Progress:

@@ -42,6 +42,7 @@ import numpy as np
 from envs.base import Task
 from salt_jax.agent import parsing
 from salt_jax.agent.parsing import parse_action
+from salt_jax.log import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +350,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
             max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
             invalid_action_penalty: float = 0.1, seed: int = 0,
             max_prompt_tokens: Optional[int] = None, slot_offset: int = 0,
-            reuse_cache: bool = True, invalid_step: str = "admissible") -> RolloutBatch:
+            reuse_cache: bool = True, invalid_step: str = "admissible",
+            progress: bool = False) -> RolloutBatch:
   """Plays `group_size` trajectories of every task; returns their steps (see `RolloutBatch`).
 
   Args:
@@ -373,6 +375,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       after the first continues every trajectory from its previous turn's KV cache, so only the
       new tokens are prefilled. The rollout is the same either way (up to float rounding).
     invalid_step: "admissible" or verl-agent's "format" (see the module docstring).
+    progress: a bar over the turns on stderr (`salt_jax.log.progress_bar`), with the active
+      trajectories and the steps so far; off (silent) when False.
   Returns:
     RolloutBatch.
   """
@@ -434,6 +438,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     done[i] = r.done
 
   turns = 0
+  bar = progress_bar(total=max_steps, desc="rollout", enabled=progress, unit="turn")
   for _ in range(max_steps):
     if max_prompt_tokens is not None:
       for i in np.flatnonzero(~done):
@@ -480,6 +485,10 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       admissible[i] = r.admissible_actions
       if not r.done:
         convs[i].advance(resp, p.action, r.observation, r.admissible_actions)
+    bar.set_postfix_str(f"{len(active)}/{n_traj} active, {sum(map(len, steps))} steps",
+                        refresh=False)
+    bar.update(1)
+  bar.close()
   if reuse:
     sampler.clear_cache()  # the kept cache is as large as the rollout's: free it for training
   truncated |= ~done  # out of max_steps while the env was still going

@@ -46,3 +46,19 @@ def test_only_if_unset_keeps_the_applications_handler(clean_logger):
   clean_logger.addHandler(mine)
   log.configure("debug", io.StringIO(), only_if_unset=True)
   assert clean_logger.handlers == [mine]
+
+
+def test_progress_bar_goes_to_stderr_and_is_silent_when_off(capsys):
+  assert list(log.progress_bar(range(3), desc="update", enabled=False)) == [0, 1, 2]
+  bar = log.progress_bar(total=2, desc="update", enabled=False)
+  bar.update(2)
+  bar.set_postfix_str("x")
+  bar.close()
+  assert capsys.readouterr() == ("", "")
+  assert list(log.progress_bar(range(3), desc="update", unit="batch")) == [0, 1, 2]
+  out, err = capsys.readouterr()
+  assert out == "" and "update" in err and "batch" in err
+  stream = io.StringIO()
+  with log.progress_bar(total=4, desc="rollout", stream=stream) as bar:
+    bar.update(4)
+  assert "rollout" in stream.getvalue() and capsys.readouterr() == ("", "")

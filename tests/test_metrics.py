@@ -69,3 +69,57 @@ def test_no_tensorboard_and_other_processes_write_no_events(tmp_path):
   assert metrics_lib.MetricsLogger(str(tmp_path / "b"), write=False).log(0, {"x": 1.0}) == {
       "iteration": 0, "x": 1.0}
   assert not os.path.exists(tmp_path / "b")
+
+
+class _FakeWandb:
+  def __init__(self):
+    self.calls = []
+
+  def init(self, **kw):
+    self.calls.append(("init", kw))
+    return self
+
+  def log(self, row, step):
+    self.calls.append(("log", step, row))
+
+  def finish(self):
+    self.calls.append(("finish",))
+
+
+class _FakeMlflow:
+  def __init__(self):
+    self.calls = []
+
+  def __getattr__(self, name):
+    return lambda *a, **kw: self.calls.append((name, a, kw))
+
+
+def test_tracker_sends_the_numbers_of_each_row_to_wandb_or_mlflow(tmp_path, monkeypatch):
+  import sys
+  wandb, mlflow = _FakeWandb(), _FakeMlflow()
+  monkeypatch.setitem(sys.modules, "wandb", wandb)
+  monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+  row = {"loss": 0.5, "eval": {"success_rate": 1.0}, "note": "text", "done": True}
+  logger = metrics_lib.MetricsLogger(
+      str(tmp_path / "w"), tensorboard=False,
+      tracker=metrics_lib.Tracker("wandb", run_name="r", config={"lr": 1e-6}))
+  logger.log(3, row)
+  logger.close()
+  assert wandb.calls == [("init", {"project": "salt-jax", "name": "r", "config": {"lr": 1e-6}}),
+                         ("log", 3, {"loss": 0.5, "eval/success_rate": 1.0}), ("finish",)]
+  logger = metrics_lib.MetricsLogger(
+      str(tmp_path / "m"), tensorboard=False,
+      tracker=metrics_lib.Tracker("mlflow", project="p", config={"env_kwargs": {"a": 1}}))
+  logger.log(0, row)
+  logger.close()
+  assert mlflow.calls == [("set_experiment", ("p",), {}), ("start_run", (), {"run_name": None}),
+                          ("log_params", ({"env_kwargs/a": "1"},), {}),
+                          ("log_metrics", ({"loss": 0.5, "eval/success_rate": 1.0},), {"step": 0}),
+                          ("end_run", (), {})]
+  # Off by default and on the processes that do not write; a name it does not know is an error.
+  assert metrics_lib.MetricsLogger(str(tmp_path / "x"), tensorboard=False)._tracker is None
+  with pytest.raises(ValueError, match="tracker"):
+    metrics_lib.Tracker("neptune")
+  monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+  with pytest.raises(ImportError, match="pip install wandb"):
+    metrics_lib.Tracker("wandb")

@@ -24,3 +24,59 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
+
+
+def _install_cell(path) -> str:
+  return next(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+
+
+def test_each_notebook_starts_with_the_same_install_cell():
+  cells = [_install_cell(p) for p in NOTEBOOKS]
+  # One cell for all, up to its EXTRAS line; the repository named once; nothing to fill in.
+  strip = lambda s: "\n".join(l for l in s.splitlines() if not l.startswith("EXTRAS = "))  # noqa: E731
+  assert len({strip(c) for c in cells}) == 1
+  for path, cell in zip(NOTEBOOKS, cells):
+    assert cell.count("https://github.com/") == 1
+    assert "REPO_URL" not in path.read_text(encoding="utf-8")
+    # No exact pin over the runtime's packages: only jax's plugin, at the jax salt-jax installed.
+    assert cell.replace("=={importlib.metadata.version('jax')}", "").count("==") == 0
+
+
+def test_install_cell_is_a_noop_when_importable_and_reads_the_accelerator(monkeypatch, capsys):
+  import glob
+  import shutil
+  import subprocess
+
+  monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+  ns: dict = {}
+  exec(_install_cell(NOTEBOOKS[0]), ns)  # pylint: disable=exec-used
+  assert "nothing to install" in capsys.readouterr().out
+  attached = ns["attached_accelerator"]
+  devices: list = []
+  monkeypatch.setattr(glob, "glob", lambda pattern: [p for p in devices if p[:8] == pattern[:8]])
+  monkeypatch.setattr(shutil, "which", lambda name: None)
+  for var in ("TPU_ACCELERATOR_TYPE", "COLAB_TPU_ADDR"):
+    monkeypatch.delenv(var, raising=False)
+  assert attached() is None
+  for dev in ("/dev/accel0", "/dev/vfio/0"):  # TPU v2 to v5e; v5p and v6e
+    devices[:] = [dev]
+    assert attached() == "tpu"
+  devices[:] = ["/dev/nvidia0"]
+  assert attached() == "gpu"
+  devices[:] = []
+  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-1")
+  assert attached() == "tpu"
+  monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+  monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+  assert attached() == "gpu"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_notebook_holds_its_outputs(path):
+  # GitHub shows a notebook as committed: every code cell ran, none failed, and the plots are in.
+  nb = nbformat.read(path, as_version=4)
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  assert all(c.execution_count is not None for c in code)
+  outputs = [o for c in code for o in c.get("outputs", [])]
+  assert not [o for o in outputs if o.get("output_type") == "error"]
+  assert any("image/png" in o.get("data", {}) for o in outputs)

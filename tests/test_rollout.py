@@ -107,6 +107,16 @@ def test_oracle_wins_every_task_one_sampler_call_per_turn():
   assert b.metrics["success_rate_by_type"] == {"key-door": 1.0, "walk": 1.0}
 
 
+def test_progress_bar_over_turns_on_stderr_only_when_asked(capsys):
+  run(oracle(), group_size=1)
+  assert capsys.readouterr() == ("", "")
+  b, _ = run(oracle(), group_size=1, progress=True)
+  out, err = capsys.readouterr()
+  assert out == "" and "rollout" in err and "turn" in err
+  assert "/50" in err and "active" in err  # turns out of collect's max_steps, active trajectories
+  assert b.success.all()
+
+
 def test_records_match_replay_with_invalid_steps_and_workers_agree():
   b, _ = run(oracle(p_garbage=0.3), num_workers=2)
   check_against_replay(b)
