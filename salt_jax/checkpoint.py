@@ -40,7 +40,7 @@ from salt_jax.sharding import replicated
 # another mesh shape).
 RESUME_MAY_CHANGE = ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
                      "distributed", "coordinator", "num_processes", "process_id",
-                     "microbatch_rows", "mesh", "attention_impl")
+                     "microbatch_rows", "mesh", "attention_impl", "tracker")
 META_ITEM = "meta"  # the checkpoint's JSON item (orbax writes it to <step>/meta/metadata)
 
 

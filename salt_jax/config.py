@@ -154,7 +154,10 @@ class RunConfig:
   checkpoint_every: int = _field(1, "save every N iterations (and after the last)")
   max_to_keep: int = _field(2, "checkpoints kept")
   tensorboard: bool = _field(True, "write TensorBoard event files")
-  progress: bool = _field(True, "show each phase's progress")
+  progress: bool = _field(True, "show each phase's progress (a line per iteration, bars inside a "
+                          "rollout and an update)")
+  tracker: Optional[str] = _field(None, "also send each row to wandb or mlflow (installed "
+                                  "separately; their own settings from their environment)")
   distributed: bool = _field(False, "join several processes (jax.distributed; a TPU pod's or "
                              "SLURM's are auto-detected)")
   coordinator: Optional[str] = _field(None, "host:port of process 0 (implies --distributed)")
@@ -186,6 +189,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     from salt_jax import multihost
     from salt_jax.advantages import ESTIMATORS
     from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
+    from salt_jax.metrics import TRACKERS
     from salt_jax.models.config import ATTENTION_IMPLS
     from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
     from salt_jax.sharding import parse_mesh_shape
@@ -214,6 +218,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("invalid_step", INVALID_STEP_MODES)
     one_of("penalty_scope", PENALTY_SCOPES)
     one_of("group_stats", GROUP_STATS)
+    one_of("tracker", (None, *TRACKERS))
     for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "salt_history",
                  "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
                  "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):

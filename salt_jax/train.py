@@ -50,6 +50,7 @@ from salt_jax import batching
 from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
 from salt_jax import log as log_lib
+from salt_jax.log import progress_bar
 from salt_jax import multihost
 from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
@@ -203,6 +204,8 @@ class Trainer:
     self.applied_updates = 0  # optimizer steps taken (the schedule's position)
     self._last_save_s = None  # the last checkpoint's save time, logged with the next row
     self.last: Optional[IterationData] = None
+    # bars inside a phase (rollout turns, update mini-batches): process 0 speaks for all
+    self._show_progress = config.progress and self.process_index == 0
     self._local_rollout = None
     self.times = _PhaseTimes()
 
@@ -285,9 +288,14 @@ class Trainer:
       self._load(*self.checkpoints.restore_latest_intact(self._state_tree()))
       logger.info("setup: resumed from checkpoint %d of %s", self.iteration_index, cfg.out)
     self._sync_sampler()
+    tracker = None
+    if cfg.tracker is not None and self.process_index == 0:
+      tracker = metrics_lib.Tracker(cfg.tracker, run_name=os.path.basename(os.path.abspath(cfg.out)),
+                                    config=cfg.to_json())
     self._logger = metrics_lib.MetricsLogger(
         cfg.out, tensorboard=cfg.tensorboard,
-        truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0)
+        truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0,
+        tracker=tracker)
     n_params = sum(x.size for x in jax.tree.leaves(self.params))
     logger.info("setup done in %.1fs: %.1fM parameters, writing to %s",
                 time.perf_counter() - t_setup, n_params / 1e6, cfg.out)
@@ -353,7 +361,7 @@ class Trainer:
                    max_new_tokens=self.config.max_new_tokens, sampling=sampling,
                    invalid_action_penalty=self.config.invalid_action_penalty, seed=seed,
                    max_prompt_tokens=self.config.max_cache_len - self.config.max_new_tokens,
-                   invalid_step=self.config.invalid_step)
+                   invalid_step=self.config.invalid_step, progress=self._show_progress)
 
   def collect_rollout(self, tasks, key, *, seed, group_size, greedy=False):
     """Plays G = `group_size` trajectories of each task; returns the `RolloutBatch` of them all.
@@ -507,8 +515,9 @@ class Trainer:
     rng = np.random.default_rng(seed)
     sums: dict[str, float] = {}
     n, skipped = 0, 0
-    for _ in range(cfg.ppo_epochs):
-      for i in rng.permutation(live):
+    order = [i for _ in range(cfg.ppo_epochs) for i in rng.permutation(live)]
+    with progress_bar(order, desc="update", enabled=self._show_progress, unit="batch") as bar:
+      for i in bar:
         mb = {k: self._put(v) for k, v in mbs[i].items()}
         self.params, self.opt_state, out = self._train_step(self.params, self.opt_state, mb,
                                                             step_adv)
