@@ -36,7 +36,7 @@ def test_each_notebook_starts_with_the_same_install_cell():
   strip = lambda s: "\n".join(l for l in s.splitlines() if not l.startswith("EXTRAS = "))  # noqa: E731
   assert len({strip(c) for c in cells}) == 1
   for path, cell in zip(NOTEBOOKS, cells):
-    assert cell.count("https://github.com/") == 1
+    assert cell.count("https://github.com/") == 1 and "SALT_JAX_GIT = " not in cell
     assert "REPO_URL" not in path.read_text(encoding="utf-8")
     # No exact pin over the runtime's packages: only jax's plugin, at the jax salt-jax installed.
     assert cell.replace("=={importlib.metadata.version('jax')}", "").count("==") == 0
@@ -51,6 +51,15 @@ def test_install_cell_is_a_noop_when_importable_and_reads_the_accelerator(monkey
   ns: dict = {}
   exec(_install_cell(NOTEBOOKS[0]), ns)  # pylint: disable=exec-used
   assert "nothing to install" in capsys.readouterr().out
+  # where it installs from: $SALT_JAX_GIT, else the repository and branch Colab opened it from
+  source = ns["repository_source"]
+  monkeypatch.delenv("SALT_JAX_GIT", raising=False)
+  assert source("https://colab.research.google.com/github/me/salt-jax/blob/dev/colab/x.ipynb") \
+      == "git+https://github.com/me/salt-jax.git@dev"
+  with pytest.raises(SystemExit, match="SALT_JAX_GIT"):
+    source("")
+  monkeypatch.setenv("SALT_JAX_GIT", "git+https://example.org/fork.git")
+  assert source("") == "git+https://example.org/fork.git"
   attached = ns["attached_accelerator"]
   devices: list = []
   monkeypatch.setattr(glob, "glob", lambda pattern: [p for p in devices if p[:8] == pattern[:8]])
