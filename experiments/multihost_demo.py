@@ -105,7 +105,7 @@ def worker(args) -> int:
       rows.append(tr.iteration())
       if tr.last.local_rollout is not None:
         local_tasks.append(sorted(set(tr.last.local_rollout.task_ids)))
-      batches.append(tr.last_rollout)
+      batches.append(tr.last.rollout)
     leaves = [to_host(x) for x in jax.tree.leaves(tr.params)]  # (a collective: all call it)
   sha, total = params_digest(leaves)
   p = args.process_id
