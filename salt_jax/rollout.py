@@ -485,9 +485,9 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       admissible[i] = r.admissible_actions
       if not r.done:
         convs[i].advance(resp, p.action, r.observation, r.admissible_actions)
-    bar.set_postfix_str(f"{len(active)}/{n_traj} active, {sum(map(len, steps))} steps",
-                        refresh=False)
     bar.update(1)
+    # drawn every turn (a turn is a batched generation: the redraw costs nothing beside it)
+    bar.set_postfix_str(f"{len(active)}/{n_traj} active, {sum(map(len, steps))} steps")
   bar.close()
   if reuse:
     sampler.clear_cache()  # the kept cache is as large as the rollout's: free it for training
