@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 DEFAULT_OUT = os.path.join(ROOT, "docs", "study", "merge-rates")
 HISTORIES = (1, 2, 3, 4, 5)

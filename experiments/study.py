@@ -35,8 +35,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_OUT = os.path.join(ROOT, "docs", "study")
 EVAL_TASKS = 32  # held-out games scored at each evaluation (greedy)

@@ -14,10 +14,8 @@ import json
 import math
 import os
 import statistics
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 PAPER_COST = {"rollout": 240.0, "update": 30.0, "advantage": 0.05, "salt": 0.15}
 PAPER_ALFWORLD = {"GRPO": 81.8, "GRPO+SALT": 85.2, "RLOO": 79.2, "RLOO+SALT": 84.0}

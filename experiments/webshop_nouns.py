@@ -16,14 +16,10 @@ own product scores the same either way (its query matches).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from envs import webshop as ws  # noqa: E402
-from envs import webshop_reward as wr  # noqa: E402
+from envs import webshop as ws
+from envs import webshop_reward as wr
 
 
 def _memo(nouns: Callable) -> Callable:
