@@ -199,10 +199,11 @@ class ToyEnv(TextEnv):
   def reset(self, task: Task, seed: int = 0) -> EnvStep:
     if self.enable_test_faults and task.task_id.endswith("__crash__"):
       os._exit(3)
+    lay = _layout(task, self.num_rooms)  # raises first for an unknown task type
     if task.task_type not in self.task_types:
       raise ValueError(f"task {task.task_id!r} is a {task.task_type!r} task; this env plays "
                        f"{self.task_types}")
-    self._lay = _layout(task, self.num_rooms)
+    self._lay = lay
     self._state = _State(room=0, has_key=False, door_open=False)
     self._seed, self._steps, self._done = int(seed), 0, False
     obs = f"Your task is to: {_goal(self._lay)}. " + _describe(self._lay, self._state)
