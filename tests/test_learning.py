@@ -15,8 +15,12 @@ row, GRPO's std normalisation) a run went from 0.20 to 0.00, every step valid an
 at lr 1e-3 3 of 10 runs lost every valid action within one iteration.
 
 The assertions are on success only (SALT on or off is a parameter, not a condition). The fast
-case is the first 6 iterations of the slow case's seed-1 GRPO run (measured 0.27 -> 0.45) and
-must rise by 10 points; with the 0.1 penalty such a run falls instead, so it can fail.
+case is the first 6 iterations of the slow case's seed-1 GRPO run and must rise by 8 points
+(measured here: 0.27 -> 0.38, 1 min 50 s alone; the driver, on one CPU device rather than the 8
+that conftest simulates, measured 0.27 -> 0.45). It can fail: a policy that does not improve
+stays within a few points of its start, and with the 0.1 penalty (lr 1e-3) a run fell to 0.
+Each slow case must rise by 5 points (measured under pytest: see docs/study.md; the driver's
+sweep: +9 to +25, the issue's +20 in 3 of 6 runs).
 """
 
 import os
@@ -35,7 +39,7 @@ FAST = learning_check.Check(iters=6)
 
 
 def test_rl_raises_success_fast(tmp_path):
-  """One seed of GRPO, 6 iterations: at least +10 points."""
+  """One seed of GRPO, 6 iterations: at least FAST_RISE."""
   run = learning_check.learning_run(FAST, seed=1, salt=False, workdir=str(tmp_path))
   print(run)
   assert run["after"]["all"] - run["before"]["all"] >= FAST_RISE, run
