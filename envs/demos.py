@@ -7,7 +7,10 @@ tokenizer fitted to an environment's words (`salt_jax.models.build`) learns from
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Optional, Sequence
+
+import numpy as np
 
 from envs.base import Task
 
@@ -25,19 +28,39 @@ class Demo:
   won: bool
 
 
-def play_expert(env, task: Task, seed: int = 0, max_steps: int = 50) -> Demo:
-  """Plays `task` with the environment's expert (or `optimal_actions` where the env has one)."""
+def play_expert(env, task: Task, seed: int = 0, max_steps: int = 50, *, epsilon: float = 0.0,
+                rng: Optional[np.random.Generator] = None) -> Demo:
+  """Plays `task` with the environment's expert (or `optimal_actions` where the env has one).
+
+  epsilon: the chance, at each step, of a uniformly drawn admissible action in place of the
+    expert's (a noisy expert; the expert then replans from where that led, so the env needs
+    `expert_action()`). Cloning such episodes gives a weaker warm start, one that knows the format
+    and the admissible actions of each state but picks the right one only part of the time: room
+    for RL to raise success. rng draws the deviations (default: seeded by `seed` and the task id).
+  """
+  if not 0.0 <= epsilon <= 1.0:
+    raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+  if epsilon > 0 and not hasattr(env, "expert_action"):
+    raise ValueError("epsilon > 0 needs an env with expert_action() (the expert replans)")
+  if rng is None:
+    rng = np.random.default_rng([int(seed), zlib.crc32(task.task_id.encode("utf-8"))])
   first = env.reset(task, seed)
-  plan = iter(env.optimal_actions(task)) if hasattr(env, "optimal_actions") else None
+  plan = (iter(env.optimal_actions(task))
+          if epsilon == 0 and hasattr(env, "optimal_actions") else None)
   actions, obs, adm, won = [], [], [], False
+  admissible = first.admissible_actions
   for _ in range(max_steps):
-    a = next(plan, None) if plan is not None else env.expert_action()
+    if epsilon > 0 and admissible and rng.random() < epsilon:
+      a = admissible[int(rng.integers(len(admissible)))]
+    else:
+      a = next(plan, None) if plan is not None else env.expert_action()
     if a is None:
       break
     r = env.step(a)
     actions.append(a)
     obs.append(r.observation)
     adm.append(r.admissible_actions)
+    admissible = r.admissible_actions
     won = won or r.won
     if r.done:
       break
@@ -46,9 +69,11 @@ def play_expert(env, task: Task, seed: int = 0, max_steps: int = 50) -> Demo:
 
 
 def collect_demos(env, tasks: Sequence[Task], seeds: Sequence[int] = (0,),
-                  max_steps: int = 50, only_won: bool = True) -> list[Demo]:
-  """Expert episodes for every (task, seed); the seed may change the prompt (listing order)."""
-  demos = [play_expert(env, t, s, max_steps) for t in tasks for s in seeds]
+                  max_steps: int = 50, only_won: bool = True, epsilon: float = 0.0) -> list[Demo]:
+  """Expert episodes for every (task, seed); the seed may change the prompt (listing order) and
+  draws a noisy expert's deviations (`epsilon`, see `play_expert`; keep only_won=False there, or
+  the kept episodes are biased towards the lucky ones)."""
+  demos = [play_expert(env, t, s, max_steps, epsilon=epsilon) for t in tasks for s in seeds]
   return [d for d in demos if d.won or not only_won]
 
 

@@ -56,12 +56,22 @@ class _State:
   door_open: bool
 
 
-def toy_tasks(num_tasks: int = 8, split: str = "train") -> list[Task]:
-  """`num_tasks` tasks, alternating "walk" and "key-door"; ids are unique per split."""
+def _check_types(task_types) -> tuple[str, ...]:
+  task_types = tuple(task_types)
+  if not task_types or any(t not in TASK_TYPES for t in task_types):
+    raise ValueError(f"task_types must be a non-empty selection of {TASK_TYPES}, got {task_types}")
+  return task_types
+
+
+def toy_tasks(num_tasks: int = 8, split: str = "train",
+              task_types: tuple = TASK_TYPES) -> list[Task]:
+  """`num_tasks` tasks, the types of `task_types` taking turns ("walk", "key-door" by default;
+  ("walk",) for walk tasks only); ids are unique per split."""
   if num_tasks < 0:
     raise ValueError(f"num_tasks must be >= 0, got {num_tasks}")
-  return [Task(task_id=f"toy-{split}-{i}", task_type=TASK_TYPES[i % 2], split=split)
-          for i in range(num_tasks)]
+  task_types = _check_types(task_types)
+  return [Task(task_id=f"toy-{split}-{i}", task_type=task_types[i % len(task_types)],
+               split=split) for i in range(num_tasks)]
 
 
 def _layout(task: Task, num_rooms: int) -> _Layout:
@@ -160,9 +170,12 @@ class ToyEnv(TextEnv):
     num_rooms: rooms per task (2 to 12).
     max_steps: horizon; the episode ends (lost) after this many steps.
     enable_test_faults: make "__crash__", "__hang__" and "__raise__" real (tests only).
+    task_types: the task types this env plays (`toy_tasks`' argument of the same name, so one
+      `env_kwargs` configures both); resetting a task of another type raises ValueError.
   """
 
-  def __init__(self, num_rooms: int = 5, max_steps: int = 20, enable_test_faults: bool = False):
+  def __init__(self, num_rooms: int = 5, max_steps: int = 20, enable_test_faults: bool = False,
+               task_types: tuple = TASK_TYPES):
     if not 2 <= num_rooms <= len(_ROOM_NAMES):
       raise ValueError(f"num_rooms must be in [2, {len(_ROOM_NAMES)}], got {num_rooms}")
     if max_steps < 1:
@@ -170,6 +183,7 @@ class ToyEnv(TextEnv):
     self.num_rooms = num_rooms
     self.max_steps = max_steps
     self.enable_test_faults = enable_test_faults
+    self.task_types = _check_types(task_types)
     self._lay: Optional[_Layout] = None
     self._state: Optional[_State] = None
     self._seed = 0
@@ -185,7 +199,11 @@ class ToyEnv(TextEnv):
   def reset(self, task: Task, seed: int = 0) -> EnvStep:
     if self.enable_test_faults and task.task_id.endswith("__crash__"):
       os._exit(3)
-    self._lay = _layout(task, self.num_rooms)
+    lay = _layout(task, self.num_rooms)  # raises first for an unknown task type
+    if task.task_type not in self.task_types:
+      raise ValueError(f"task {task.task_id!r} is a {task.task_type!r} task; this env plays "
+                       f"{self.task_types}")
+    self._lay = lay
     self._state = _State(room=0, has_key=False, door_open=False)
     self._seed, self._steps, self._done = int(seed), 0, False
     obs = f"Your task is to: {_goal(self._lay)}. " + _describe(self._lay, self._state)

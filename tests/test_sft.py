@@ -158,3 +158,21 @@ def test_demo_texts_hold_every_observation_and_admissible_list():
     lists = [d.first_admissible, *d.admissible]
     assert all(a in lists[t] for t, a in enumerate(d.actions))
   assert demos_lib.demo_texts([]) == []
+
+
+def test_noisy_expert_demos_deviate_and_replan():
+  """The warm start's demonstrations: epsilon=0 is the expert's plan; epsilon=1 draws only
+  admissible actions; in between the expert replans after a deviation and still wins given room."""
+  env = ToyEnv(num_rooms=3, max_steps=30)
+  task = toy_tasks(1)[0]
+  assert demos_lib.play_expert(env, task).actions == tuple(env.optimal_actions(task))
+  noisy = [demos_lib.play_expert(env, task, seed=s, epsilon=0.5) for s in range(20)]
+  assert all(d.won for d in noisy)  # 30 steps leave room to recover
+  assert any(len(d.actions) > len(env.optimal_actions(task)) for d in noisy)
+  rand = demos_lib.play_expert(env, task, seed=3, epsilon=1.0)
+  listings = (rand.first_admissible,) + rand.admissible
+  assert all(a in listings[t] for t, a in enumerate(rand.actions))
+  assert demos_lib.play_expert(env, task, seed=7, epsilon=0.5) == demos_lib.play_expert(env, task, seed=7,
+                                                                            epsilon=0.5)
+  with pytest.raises(ValueError, match="epsilon"):
+    demos_lib.play_expert(env, task, epsilon=1.5)

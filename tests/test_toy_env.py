@@ -148,3 +148,16 @@ def test_bad_arguments():
   with pytest.raises(RuntimeError, match="before reset"):
     ToyEnv().step("look")
   assert set(TASK_TYPES) == {"walk", "key-door"}
+
+
+def test_toy_task_types():
+  """toy_tasks(task_types=("walk",)) gives walk tasks only; the env refuses other types."""
+  tasks = toy_tasks(4, task_types=("walk",))
+  assert [t.task_type for t in tasks] == ["walk"] * 4
+  assert [t.task_type for t in toy_tasks(3)] == ["walk", "key-door", "walk"]
+  env = ToyEnv(num_rooms=3, task_types=["walk"])
+  env.reset(tasks[1])
+  with pytest.raises(ValueError, match="key-door"):
+    env.reset(toy_tasks(2)[1])
+  with pytest.raises(ValueError, match="task_types"):
+    toy_tasks(2, task_types=("swim",))
