@@ -145,8 +145,7 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
     values.update(RECIPES[given["recipe"]])
   if "config" in given:
     try:
-      with open(given["config"], encoding="utf-8") as f:
-        values.update(dataclasses.asdict(TrainConfig.from_json(json.load(f))))
+      values.update(dataclasses.asdict(TrainConfig.load(given["config"])))
     except (OSError, ValueError) as e:
       raise SystemExit(f"error: --config {given['config']}: {e}") from None
   values.update({k: v for k, v in given.items() if k in names})
