@@ -63,7 +63,21 @@ TASK_TYPES = {
 EXPERT_TYPES = ("handcoded", "planner")
 
 SHIPPED_ARCHIVE = pathlib.Path(__file__).parent / "alfworld_data" / "json_2.1.1_subset.tar.xz"
+# The main job's default policy (experiments/build_alfworld_policy.py builds it): a small Qwen2
+# cloned from a noisy expert on a few short valid_train tasks, with a tokenizer fitted to them.
+STARTER_POLICY = pathlib.Path(__file__).parent / "alfworld_data" / "starter_policy"
 _GAME_FILE = "game.tw-pddl"
+
+
+def starter_defaults(folder: os.PathLike = STARTER_POLICY) -> dict:
+  """`TrainConfig` values that play the starter policy as it was cloned: `model` (the folder),
+  its training tasks, prompt layout and history, and lengths (its `build.json` "play")."""
+  path = pathlib.Path(folder) / "build.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path} is missing: run experiments/build_alfworld_policy.py")
+  play = json.loads(path.read_text(encoding="utf-8"))["play"]
+  return {"model": str(folder), **{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in play.items()}}
 
 
 def cache_root() -> pathlib.Path:

@@ -69,12 +69,22 @@ def make_env(name: str, **kwargs: Any) -> TextEnv:
 
 def training_tasks(env_config) -> list[Task]:
   """The training tasks of an `EnvConfig` (or a `TrainConfig`): its train split (default: the
-  env's), the first `num_train_tasks` of them (None: all)."""
+  env's), the tasks named by `train_task_ids` in that order, else the split's first
+  `num_train_tasks` (None: all). A named id the split lacks is an error."""
   kwargs = dict(env_config.env_kwargs)
-  if env_config.num_train_tasks is not None:
+  ids = env_config.train_task_ids
+  if env_config.num_train_tasks is not None and ids is None:
     kwargs["num_tasks"] = env_config.num_train_tasks
   split = env_config.train_split or entry(env_config.env).train_split
-  return task_list(env_config.env, split, **kwargs)
+  tasks = task_list(env_config.env, split, **kwargs)
+  if ids is None:
+    return tasks
+  by_id = {t.task_id: t for t in tasks}
+  missing = [i for i in ids if i not in by_id]
+  if missing:
+    raise ValueError(f"{len(missing)} of train_task_ids are not tasks of {env_config.env}'s "
+                     f"{split!r} split, e.g. {missing[0]!r}")
+  return [by_id[i] for i in ids]
 
 
 def task_list(name: str, split: str, **kwargs: Any) -> list[Task]:

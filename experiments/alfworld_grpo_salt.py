@@ -1,25 +1,31 @@
 """GRPO / RLOO / Dr.GRPO + SALT on real ALFWorld tasks (the shipped valid_train split).
 
-  python experiments/alfworld_grpo_salt.py                 # CPU-sized defaults, shows progress
+  python experiments/alfworld_grpo_salt.py                 # the starter policy, CPU-sized
   python experiments/alfworld_grpo_salt.py --mesh=4x2      # 8 simulated CPU devices if needed
   python experiments/alfworld_grpo_salt.py --recipe verl-agent --model ~/Qwen2.5-1.5B-Instruct \\
       --iters 150                                          # the paper's setting
   python experiments/alfworld_grpo_salt.py --distributed --mesh 32x1 --out runs/pod ...  # one per
       # host (TPU pod, SLURM: auto-detected), or --coordinator host0:1234 --num-processes 4 ...
 
-Without --model the policy is a tiny random-init Qwen2 (2 layers, d_model 64, tied embeddings)
-over the offline Qwen2.5 tokenizer: it runs on a CPU in minutes but writes no valid action until
---sft-warmstart clones ALFWorld's handcoded expert first (or start from the policy
-experiments/build_alfworld_policy.py clones, with --model). Every `TrainConfig` field is a flag
-(`salt_jax.cli`); see --help.
+Without --model (or --init-params, --tokenizer, --tiny-policy, --config) the policy is the
+starter shipped in envs/alfworld_data/starter_policy (experiments/build_alfworld_policy.py): a
+small Qwen2 cloned from a noisy expert on 8 short valid_train tasks, with a tokenizer fitted to
+ALFWorld's words; it is played on those tasks with the prompts it was cloned with
+(`envs.alfworld.starter_defaults`). Every `TrainConfig` field is a flag (`salt_jax.cli`); see --help.
 """
 
 import sys
 
+from envs.alfworld import starter_defaults
 from salt_jax.cli import CPU_SIZED, main
 
-CPU_DEFAULTS = dict(CPU_SIZED, env="alfworld", max_steps=6)
+# RL settings that raised the toy learning check's success (experiments/learning_check.py):
+# statistics over step rows, several Adam steps an iteration, lr 5e-4 after warm-up, no KL, no
+# invalid-action penalty (with GRPO's std normalisation it taught valid moves that do not win).
+CPU_DEFAULTS = dict(CPU_SIZED, env="alfworld", max_steps=6, group_size=8, group_stats="steps",
+                    lr=5e-4, warmup_steps=4, kl_coef=0.0, invalid_action_penalty=0.0,
+                    minibatch_rows=32, env_workers=2)
 
 if __name__ == "__main__":
-  sys.exit(main(defaults=CPU_DEFAULTS, runs_root="runs/alfworld_grpo_salt",
-                description=__doc__.splitlines()[0]))
+  sys.exit(main(defaults=CPU_DEFAULTS, default_policy=starter_defaults,
+                runs_root="runs/alfworld_grpo_salt", description=__doc__.splitlines()[0]))

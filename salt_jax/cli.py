@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import typing
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from salt_jax.config import RENAMED_FIELDS, SECTIONS, TrainConfig
 from salt_jax.recipes import RECIPES
@@ -126,19 +126,30 @@ def output_dir(out: Optional[str], resume: bool, root: str) -> str:
   return os.path.join(root, time.strftime("%Y%m%d-%H%M%S"))
 
 
+# Flags that choose the policy: with none of them given, a script's `default_policy` applies.
+POLICY_FLAGS = ("model", "init_params", "tokenizer", "tiny_policy", "config")
+
+
 def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (), *,
+                default_policy: Optional[Callable[[], Mapping[str, Any]]] = None,
                 runs_root: str = "runs/train", description: str = "salt-jax training run"
                 ) -> tuple[TrainConfig, argparse.Namespace]:
   """(TrainConfig, the parsed flags) of a command line; SystemExit with the reason for a bad one.
 
-  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`). Validation of the
-  values themselves is the config's (`TrainConfig.validate`), done by `main` before any work.
+  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`). `default_policy`:
+  returns the values that play the script's own policy (its `model` folder and what it was
+  trained with: tasks, prompts, lengths), used only when no flag in `POLICY_FLAGS` is given.
+  Precedence: field default < `defaults` < `default_policy` < --recipe < --config < flags.
+  Validation of the values themselves is the config's (`TrainConfig.validate`), done by `main`
+  before any work.
   """
   defaults = dict(defaults)
   args = parser(defaults, description).parse_args(argv)
   given = vars(args)
   names = {f.name for f in dataclasses.fields(TrainConfig)}
   values = {k: v for k, v in defaults.items() if k in names}
+  if default_policy is not None and not any(k in given for k in POLICY_FLAGS):
+    values.update(default_policy())
   if "recipe" in given:
     if given["recipe"] not in RECIPES:
       raise SystemExit(f"error: unknown --recipe {given['recipe']!r}; known: {sorted(RECIPES)}")
@@ -182,9 +193,12 @@ def use_cpu_devices(mesh: str, num_processes: Optional[int] = None) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (), *,
+         default_policy: Optional[Callable[[], Mapping[str, Any]]] = None,
          runs_root: str = "runs/train", description: str = "salt-jax training run") -> int:
-  """Parses flags, validates them before any work, optionally warm-starts, then trains."""
-  cfg, args = config_from(argv, defaults, runs_root=runs_root, description=description)
+  """Parses flags (`config_from`), validates them before any work, optionally warm-starts, then
+  trains."""
+  cfg, args = config_from(argv, defaults, default_policy=default_policy, runs_root=runs_root,
+                          description=description)
   from salt_jax.sharding import parse_mesh_shape  # pylint: disable=import-outside-toplevel
   try:
     parse_mesh_shape(cfg.mesh)

@@ -49,6 +49,9 @@ class EnvConfig:
   eval_splits: Optional[tuple] = _field(None, "evaluation splits, comma-separated (default: the "
                                         "env's own)")
   num_train_tasks: Optional[int] = _field(None, "training tasks used (default: all)")
+  train_task_ids: Optional[tuple] = _field(None, "training tasks by id, comma-separated, taken "
+                                           "from the train split in this order (default: the "
+                                           "split's first num_train_tasks)")
   num_eval_tasks: int = _field(8, "tasks of each eval split played greedily")
   eval_every: int = _field(0, "evaluate every N iterations (0: never)")
   env_workers: int = _field(1, "environment worker processes (0: in this process)")
@@ -247,6 +250,9 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
          f"{self.embedder!r}")
     need(0 < self.embed_threshold <= 1, f"embed_threshold must be in (0, 1], got "
          f"{self.embed_threshold}")
+    need(self.train_task_ids is None or (
+        len(self.train_task_ids) > 0 and all(isinstance(i, str) and i for i in self.train_task_ids)),
+         f"train_task_ids must be None or non-empty task id strings, got {self.train_task_ids!r}")
     need(self.prompt_history is None or self.prompt_history >= 0,
          f"prompt_history must be None or >= 0, got {self.prompt_history}")
     need(not (self.layout == "trajectory" and self.prompt_history is not None),
