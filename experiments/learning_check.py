@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -66,7 +67,8 @@ class Check:
     weakness); demo_seeds: listing orders (env seeds) of the demonstrations, each also drawing the
     expert's deviations; sft_steps / sft_lr: cloning; eval_seed / eval_rounds: the fixed
     measurement (rounds of G trajectories of every task); iters: RL iterations; eval_at: iteration
-    counts after which success is also measured (a shorter budget's figure from the same run).
+    counts after which success is also measured (a shorter budget's figure from the same run);
+    reasoning: the demonstrations' `<think>` text (`salt_jax.agent.reasoning`; None: empty).
   """
 
   config: TrainConfig = LEARNS
@@ -78,6 +80,7 @@ class Check:
   eval_rounds: int = 2
   iters: int = 12
   eval_at: tuple = ()
+  reasoning: Optional[str] = None
 
 
 def warm_start(check: Check, path: str, seed: int) -> str:
@@ -94,7 +97,7 @@ def warm_start(check: Check, path: str, seed: int) -> str:
   batch = sft.demo_token_batch(
       demos, tok, pad_id=tok.pad_token_id, min_length=cfg.min_seq_len,
       prompt_config=env_prompt_config(cfg.env, history_window=cfg.prompt_history),
-      layout=cfg.layout)
+      layout=cfg.layout, reasoning=check.reasoning, seed=seed)
   sft.behaviour_clone(model, batch, sft.SFTConfig(steps=check.sft_steps, rows=8, lr=check.sft_lr,
                                                   seed=seed, min_length=cfg.min_seq_len))
   save_params(path, nnx.state(model))
@@ -153,6 +156,16 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str) -> dict:
                       "rl": round(t_rl, 1)}}
 
 
+def emit(run: dict, out: Optional[str]) -> None:
+  """Prints `run` as one JSON line and appends it to `out` (when given)."""
+  line = json.dumps(run)
+  print(line, flush=True)
+  if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f:
+      f.write(line + "\n")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -182,12 +195,7 @@ def main(argv=None):
       with tempfile.TemporaryDirectory() as d:
         run = learning_run(check, seed, salt, d)
       run.update(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps)
-      line = json.dumps(run)
-      print(line, flush=True)
-      if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "a", encoding="utf-8") as f:
-          f.write(line + "\n")
+      emit(run, args.out)
 
 
 if __name__ == "__main__":

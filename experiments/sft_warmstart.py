@@ -2,6 +2,7 @@
 
   python experiments/sft_warmstart.py --env toy --steps 150
   python experiments/sft_warmstart.py --env alfworld --demos 32 --out runs/alfworld_sft
+  python experiments/sft_warmstart.py --env toy --reasoning templated   # stand-in <think> text
 
 The saved params (`<out>/sft_params`, an orbax tree; `salt_jax.sft.warm_start`) start an RL run through
 `TrainConfig.init_params`, or directly with `--sft-warmstart` on the RL scripts. The policy and
@@ -12,6 +13,7 @@ agent loop will ask for.
 import argparse
 import sys
 
+from salt_jax.agent.reasoning import REASONERS
 from salt_jax.cli import use_cpu_devices
 
 
@@ -27,6 +29,8 @@ def main(argv=None) -> int:
   p.add_argument("--max-steps", type=int, default=None, help="default: 6 (toy), 8 otherwise")
   p.add_argument("--max-cache-len", type=int, default=4096)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--reasoning", choices=sorted(REASONERS), default="none",
+                 help="the demonstrations' <think> text (salt_jax.agent.reasoning)")
   p.add_argument("--group-by-length", action="store_true",
                  help="draw demos of similar lengths together (less padding, faster steps)")
   p.add_argument("--out", default=None)
@@ -45,7 +49,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   warm_start(cfg, steps=args.steps, num_demos=args.demos, lr=args.lr,
-             group_by_length=args.group_by_length)
+             group_by_length=args.group_by_length, reasoning=args.reasoning)
   return 0
 
 

@@ -12,8 +12,9 @@ defaults, `--recipe` (`salt_jax.recipes`), `--config` (a JSON file as a run writ
 `<out>/config.json`), then the flags given. Without `--out` a run gets a new timestamped folder
 under the script's runs folder (with `--resume`, the newest one there).
 
-Besides the config: `--log-level`, and `--sft-warmstart` (with `--sft-steps`, `--sft-demos`), which
-behaviour-clones the environment's expert into the policy before RL (`salt_jax.sft.warm_start`).
+Besides the config: `--log-level`, and `--sft-warmstart` (with `--sft-steps`, `--sft-demos`,
+`--sft-reasoning`), which behaviour-clones the environment's expert into the policy before RL
+(`salt_jax.sft.warm_start`).
 
 This module imports no jax at module level, and sets jax's CPU device count (`use_cpu_devices`)
 before any backend starts, so a `--mesh` larger than a CPU machine is simulated.
@@ -31,11 +32,12 @@ import time
 import typing
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from salt_jax.agent.reasoning import REASONERS
 from salt_jax.config import RENAMED_FIELDS, SECTIONS, TrainConfig
 from salt_jax.recipes import RECIPES
 
 # Flags that are not config fields, and their defaults (a script may override them).
-SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32)
+SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32, sft_reasoning="none")
 
 # The experiment scripts' defaults: a run that shows each phase on a 2-core CPU in minutes (the
 # paper's values are the verl-agent recipe's, `--recipe verl-agent`).
@@ -96,6 +98,10 @@ def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax traini
     g.add_argument("--" + name.replace("_", "-"), type=int,
                    help=f"(default: {defaults.get(name, SCRIPT_DEFAULTS[name])}) "
                    + ("cloning steps" if name == "sft_steps" else "expert episodes to clone"))
+  g.add_argument("--sft-reasoning", choices=sorted(REASONERS),
+                 help=f"(default: {defaults.get('sft_reasoning', SCRIPT_DEFAULTS['sft_reasoning'])})"
+                 " the demonstrations' <think> text: none, or templated stand-in reasoning "
+                 "(salt_jax.agent.reasoning; raise --max-new-tokens to fit it)")
   for section in SECTIONS:
     g = p.add_argument_group(section.__name__, section.__doc__)
     for f in dataclasses.fields(section):
@@ -136,7 +142,8 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
                 ) -> tuple[TrainConfig, argparse.Namespace]:
   """(TrainConfig, the parsed flags) of a command line; SystemExit with the reason for a bad one.
 
-  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`). `default_policy`:
+  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`,
+  `sft_reasoning`). `default_policy`:
   returns the values that play the script's own policy (its `model` folder and what it was
   trained with: tasks, prompts, lengths), used only when no flag in `POLICY_FLAGS` is given.
   Precedence: field default < `defaults` < `default_policy` < --recipe < --config < flags.
@@ -224,7 +231,8 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
     cfg = dataclasses.replace(cfg, init_params=sft_path)
   trainer = trainer_or_exit(cfg)
   if args.sft_warmstart and not resumed_warm:
-    path = sft.warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos)
+    path = sft.warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos,
+                          reasoning=args.sft_reasoning)
     trainer.close()
     trainer = trainer_or_exit(dataclasses.replace(cfg, init_params=path))
   with trainer:

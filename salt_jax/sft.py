@@ -7,7 +7,10 @@ expert first fixes the format (and some of the play), and is the paper's SFT bas
 Demonstrations are rendered exactly as the agent loop renders its prompts
 (`salt_jax.agent.Prompter`, whole-history or windowed), with the response
 `<think></think><action>{a}</action>`: the tokens the policy must learn to write, ending where the
-rollout's stop string `</action>` ends generation. The demonstrations carry no reasoning.
+rollout's stop string `</action>` ends generation. The demonstrations carry no reasoning unless a
+reasoner (`salt_jax.agent.reasoning`, e.g. `reasoning="templated"`) fills the `<think>` with short
+templated sentences drawn per step: a stand-in for an LLM's reasoning, so that the clone's
+responses before one action differ.
 The loss is the token-mean negative log-likelihood of the response tokens only.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ from flax import nnx
 from envs import registry
 from envs.demos import Demo, collect_demos
 from salt_jax import batching
+from salt_jax.agent import reasoning as reasoning_lib
 from salt_jax.agent.prompts import PromptConfig, Prompter, env_prompt_config
 from salt_jax.config import TrainConfig
 from salt_jax.models.build import build_policy, build_tokenizer, load_params, save_params
@@ -37,22 +41,37 @@ RESPONSE_FORMAT = "<think></think><action>{action}</action>"
 
 
 def demo_steps(demos: Sequence[Demo], tokenizer, prompt_config: PromptConfig = PromptConfig(),
-               response_format: str = RESPONSE_FORMAT) -> tuple[list, list, np.ndarray]:
+               response_format: str = RESPONSE_FORMAT, reasoning: Optional[str] = None,
+               seed: int = 0) -> tuple[list, list, np.ndarray]:
   """Per-step (prompt ids, response ids) as the agent loop would have produced them.
 
+  reasoning: None or "none": responses `response_format`; else a name in
+    `reasoning.REASONERS` whose text fills `<think>...</think>` (`reasoning.REASONING_FORMAT`),
+    drawn from the task goal, the observation just seen and the action with a numpy Generator
+    seeded by (seed, demo index, step): the same state and action get different text in different
+    demos, and the same text again for the same seed.
   Returns:
     (prompt_ids [int32[P_k]], response_ids [int32[R_k]], step_traj_ids int32[N]), steps in
     trajectory-major order.
   """
+  think_fn = reasoning_lib.reasoner(reasoning)
   prompter = Prompter(tokenizer, prompt_config)
   prompts, responses, trajs = [], [], []
   for i, d in enumerate(demos):
     conv = prompter.start(d.first_observation, d.first_admissible)
+    goal = reasoning_lib.task_goal(d.first_observation)
+    seen = d.first_observation
     for t, a in enumerate(d.actions):
-      resp = prompter.encode(response_format.format(action=a))
+      think = think_fn(goal, seen, a, np.random.default_rng([seed, i, t]))
+      if "<" in think or ">" in think:
+        raise ValueError(f"reasoning {reasoning!r} wrote a '<' or '>' (a tag could leak): {think!r}")
+      text = (reasoning_lib.REASONING_FORMAT.format(think=think, action=a) if think
+              else response_format.format(action=a))
+      resp = prompter.encode(text)
       prompts.append(np.asarray(conv.prompt_ids, np.int32))
       responses.append(np.asarray(resp, np.int32))
       trajs.append(i)
+      seen = d.observations[t]
       if t + 1 < len(d.actions):
         conv.advance(resp, a, d.observations[t], d.admissible[t])
   return prompts, responses, np.asarray(trajs, np.int32)
@@ -60,11 +79,14 @@ def demo_steps(demos: Sequence[Demo], tokenizer, prompt_config: PromptConfig = P
 
 def demo_token_batch(demos: Sequence[Demo], tokenizer, *, pad_id: int,
                      prompt_config: PromptConfig = PromptConfig(), layout: str = "trajectory",
-                     response_format: str = RESPONSE_FORMAT, **kwargs) -> batching.TokenBatch:
-  """The demonstrations as a `TokenBatch` (loss mask = the response tokens), in either layout."""
+                     response_format: str = RESPONSE_FORMAT, reasoning: Optional[str] = None,
+                     seed: int = 0, **kwargs) -> batching.TokenBatch:
+  """The demonstrations as a `TokenBatch` (loss mask = the response tokens), in either layout;
+  reasoning and seed: `demo_steps`' (a `<think>` reasoner by name, and its seed)."""
   if layout not in ("trajectory", "step"):
     raise ValueError(f"layout must be 'trajectory' or 'step', got {layout!r}")
-  prompts, responses, trajs = demo_steps(demos, tokenizer, prompt_config, response_format)
+  prompts, responses, trajs = demo_steps(demos, tokenizer, prompt_config, response_format,
+                                         reasoning=reasoning, seed=seed)
   zeros = [np.zeros(len(r), np.float32) for r in responses]
   if layout == "trajectory":
     return batching.trajectory_sequences(prompts, responses, zeros, trajs, pad_id=pad_id, **kwargs)
@@ -207,7 +229,8 @@ SFT_SUBDIR = "sft_params"
 
 
 def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: float = 3e-3,
-               rows: int = 8, group_by_length: bool = False) -> str:
+               rows: int = 8, group_by_length: bool = False,
+               reasoning: Optional[str] = None) -> str:
   """Clones expert episodes of `cfg`'s env into `cfg`'s policy; returns the saved params' folder
   (`<cfg.out>/sft_params`, which starts an RL run through `TrainConfig.init_params`).
 
@@ -219,7 +242,10 @@ def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: f
     steps, lr, rows: behaviour-cloning optimizer steps, peak learning rate, sequences per step.
     num_demos: expert episodes (tasks of the training split, cycled with new env seeds).
     group_by_length: draw demos of similar lengths together (`SFTConfig.group_by_length`).
+    reasoning: the demonstrations' `<think>` text: None / "none" (empty) or "templated" (the
+      stand-in reasoning of `salt_jax.agent.reasoning`); raise `cfg.max_new_tokens` to fit it.
   """
+  reasoning_lib.reasoner(reasoning)  # an unknown name fails before any work
   t0 = time.perf_counter()
   mesh = make_mesh(cfg.mesh)
   tok = build_tokenizer(cfg)
@@ -248,7 +274,11 @@ def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: f
                            prompt_config=env_prompt_config(cfg.env,
                                                            history_window=cfg.prompt_history),
                            layout=cfg.layout, min_length=cfg.min_seq_len,
-                           max_length=cfg.max_cache_len)
+                           max_length=cfg.max_cache_len, reasoning=reasoning, seed=cfg.seed)
+  longest = int(np.bincount(batch.token_step_ids[batch.loss_mask]).max(initial=0))
+  if longest > cfg.max_new_tokens:
+    print(f"[sft] warning: the longest demo response has {longest} tokens, more than "
+          f"max_new_tokens={cfg.max_new_tokens}: rollouts will cut such responses", flush=True)
   before = nll(model, batch)
   t1 = time.perf_counter()
   behaviour_clone(model, batch, SFTConfig(

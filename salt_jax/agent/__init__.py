@@ -1,4 +1,5 @@
-"""The agent side of the loop: prompts per step and action parsing (host side, no jax)."""
+"""The agent side of the loop: prompts per step, action parsing and the demonstrations' stand-in
+reasoning (`reasoning`; host side, no jax)."""
 
 from salt_jax.agent.parsing import ParsedAction, normalize_action, parse_action
 from salt_jax.agent.prompts import (CHATML_TEMPLATE, Conversation, PromptConfig, Prompter,
