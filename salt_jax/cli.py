@@ -142,10 +142,10 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
                 ) -> tuple[TrainConfig, argparse.Namespace]:
   """(TrainConfig, the parsed flags) of a command line; SystemExit with the reason for a bad one.
 
-  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`,
-  `sft_reasoning`). `default_policy`:
-  returns the values that play the script's own policy (its `model` folder and what it was
-  trained with: tasks, prompts, lengths), used only when no flag in `POLICY_FLAGS` is given.
+  `defaults`: the script's values (config fields, `sft_steps`, `sft_demos`, `sft_reasoning`).
+  `default_policy`: returns the values that play the script's own policy (its `model` folder and
+  what it was trained with: tasks, prompts, lengths), used only when no flag in `POLICY_FLAGS`
+  is given.
   Precedence: field default < `defaults` < `default_policy` < --recipe < --config < flags.
   Validation of the values themselves is the config's (`TrainConfig.validate`), done by `main`
   before any work.
