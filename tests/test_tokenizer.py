@@ -331,3 +331,21 @@ def test_saved_folder_loads_in_transformers_4(tok, cached_and_saved, tf4):
   assert got["ids"] == tok(strings, add_special_tokens=False)["input_ids"]
   assert got["chat"] == tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                                 tokenize=False, add_generation_prompt=True)
+
+
+def test_own_tokenizer_saved_beside_a_qwen2_policy_loads_as_it_was(tmp_path):
+  """transformers 5's AutoTokenizer picks Qwen2Tokenizer for a folder whose config.json says
+  qwen2, and that class rebuilds Qwen's pre-tokenizer (digits one by one): a toy tokenizer would
+  come back encoding other ids than the policy was trained on. load_tokenizer must not."""
+  from salt_jax.agent.prompts import toy_chat_tokenizer
+  tok = toy_chat_tokenizer(700, extra_texts=["You arrive at sidetable 1. take alarmclock 3"] * 4)
+  tokmod.save_tokenizer(tok, tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+  loaded = tokmod.load_tokenizer(tmp_path)
+  texts = ["You arrive at sidetable 1. On the sidetable 1, you see a alarmclock 3.",
+           "<think></think><action>go to drawer 12</action>", "x 1 22 333 ab1c"]
+  for text in texts:
+    assert loaded.encode(text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False), text
+  assert (loaded.eos_token, loaded.pad_token) == ("<|im_end|>", "<|endoftext|>")
+  assert loaded.chat_template == tok.chat_template

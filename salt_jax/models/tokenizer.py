@@ -221,8 +221,13 @@ def _is_qwen(tok) -> bool:
 def load_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
   """Loads a tokenizer from a LOCAL Hugging Face folder (never a hub download).
 
-  A Qwen tokenizer whose folder carries no chat template gets the shipped Qwen2.5 template;
-  any other tokenizer is returned as transformers loads it.
+  A folder `save_tokenizer` wrote for a tokenizer of our own (tokenizer_config.json's class
+  `PreTrainedTokenizerFast`) is loaded as exactly its tokenizer.json: transformers 5's
+  `AutoTokenizer` would pick the class of config.json's model type instead (`Qwen2Tokenizer` beside
+  a Qwen2 policy), which rebuilds Qwen's pre-tokenizer (digits split one by one) and so encodes
+  other ids than the tokenizer the policy was trained with. A Qwen tokenizer whose folder carries
+  no chat template gets the shipped Qwen2.5 template; any other tokenizer is returned as
+  transformers loads it.
 
   Args:
     path: a folder with tokenizer.json (or the files transformers needs) and tokenizer_config.json.
@@ -237,8 +242,12 @@ def load_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerB
   if not folder.is_dir():
     raise ValueError(f"load_tokenizer needs a local tokenizer folder; {str(path)!r} is not a "
                      "directory (hub ids are not fetched: download the files first)")
+  config_path = folder / "tokenizer_config.json"
+  own = (folder / "tokenizer.json").exists() and config_path.exists() and json.loads(
+      config_path.read_text(encoding="utf-8")).get("tokenizer_class") == "PreTrainedTokenizerFast"
+  loader = transformers.PreTrainedTokenizerFast if own else transformers.AutoTokenizer
   try:
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok = loader.from_pretrained(str(folder), local_files_only=True)
   except (OSError, ValueError, KeyError) as e:
     raise ValueError(f"no tokenizer could be loaded from {str(folder)!r}: {e}") from e
   if not getattr(tok, "chat_template", None) and _is_qwen(tok):
