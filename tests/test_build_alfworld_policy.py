@@ -1,6 +1,7 @@
 """experiments/build_alfworld_policy.py on 2 tasks with a very small policy: the folder it writes
 loads in the trainer's loader and in transformers (same logits), its tokenizer holds ALFWorld's
-words whole, and build.json records what was cloned."""
+words whole, build.json records what was cloned and how to play it (`starter_defaults`), and the
+trainer plays it on the tasks it names."""
 
 import json
 import os
@@ -22,17 +23,26 @@ import build_alfworld_policy  # noqa: E402
 def built(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("policy"))
   assert build_alfworld_policy.main(
-      ["--num-tasks", "2", "--steps", "12", "--rows", "2", "--hidden", "32", "--layers", "1",
-       "--heads", "2", "--kv-heads", "1", "--intermediate", "64", "--out", out]) == 0
+      ["--num-tasks", "2", "--max-plan", "5", "--max-steps", "6", "--demos-per-task", "2",
+       "--steps", "12", "--rows", "2", "--hidden", "32", "--layers", "1", "--heads", "2",
+       "--kv-heads", "1", "--intermediate", "64", "--eval-rounds", "1", "--out", out]) == 0
   return out
 
 
-def test_build_json_records_the_cloning(built):
+def test_build_json_records_the_cloning_and_how_to_play_it(built):
+  from envs.alfworld import starter_defaults
   info = json.load(open(os.path.join(built, "build.json")))
-  assert info["demos"]["episodes"] == 2 and 1 <= info["demos"]["won"] <= 2
-  assert info["demos"]["rows"] == info["demos"]["steps"] > 0
-  assert info["layout"] == "step" and info["prompt_config"]["history_window"] == 2
-  assert info["nll_after"] < info["nll_before"]
+  demos = info["demos"]
+  assert demos["tasks"] == 2 and all(n <= 5 for n in demos["clean_plan_steps"])
+  assert demos["noisy_episodes"] == 4 and 0 <= demos["noisy_won"] <= 4 and demos["rows"] > 0
+  play = starter_defaults(built)
+  assert play["model"] == built and len(play["train_task_ids"]) == 2
+  assert play["layout"] == "step" and play["prompt_history"] == info["prompt_config"][
+      "history_window"] == 1
+  assert play["max_steps"] == 6
+  sampled = info["sampled"]
+  assert sampled["trajectories"] == 16 and 0 <= sampled["success"] <= 1
+  assert 0 <= sampled["valid_steps"] <= 1
 
 
 def test_the_tokenizer_holds_alfworld_words_whole(built):
