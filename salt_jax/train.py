@@ -291,9 +291,9 @@ class Trainer:
       logger.info("setup: resumed from checkpoint %d of %s", self.iteration_index, cfg.out)
     self._sync_sampler()
     tracker = None
-    if cfg.tracker is not None and self.process_index == 0:
-      tracker = metrics_lib.Tracker(cfg.tracker, run_name=os.path.basename(os.path.abspath(cfg.out)),
-                                    config=cfg.to_json())
+    if cfg.tracker is not None and self.process_index == 0:  # a resumed run continues its own
+      tracker = metrics_lib.open_tracker(cfg.tracker, cfg.out, resume=resumed,
+                                         config=cfg.to_json())
     self._logger = metrics_lib.MetricsLogger(
         cfg.out, tensorboard=cfg.tensorboard,
         truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0,
