@@ -15,6 +15,7 @@ tqdm's "IProgress not found" warning, which importing transformers would print.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -80,7 +81,7 @@ def progress_bar(iterable: Optional[Iterable] = None, total: Optional[int] = Non
   """
   # pylint: disable=import-outside-toplevel
   try:
-    import ipywidgets  # noqa: F401  (tqdm.auto's notebook bar needs it, and warns without it)
+    importlib.import_module("ipywidgets")  # tqdm.auto's notebook bar needs it, warns without it
     from tqdm.auto import tqdm
   except ImportError:
     from tqdm.std import tqdm
@@ -102,6 +103,6 @@ def import_tqdm_auto_quietly() -> None:
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="IProgress not found")
     try:
-      import tqdm.auto  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+      importlib.import_module("tqdm.auto")
     except ImportError:
       pass
