@@ -11,6 +11,10 @@ The names are imported on first use (`salt_jax.refine` imports `salt_jax.salt`),
 
 import importlib
 
+from salt_jax import log as _log
+
+_log.import_tqdm_auto_quietly()  # a notebook without ipywidgets: no tqdm warning from transformers
+
 _EXPORTS = {
     "microbatched_value_and_grad": "salt_jax.accumulate",
     "count_invalid_rewards": "salt_jax.advantages",

@@ -14,6 +14,13 @@ checks.
     back from the newest checkpoint's JSON before any heavy work (`newest_meta`), so a resume
     with other flags names each differing field (`config_differences`).
   * Damaged checkpoints are moved aside (`set_aside`), not deleted.
+  * Saves are asynchronous unless `config.async_checkpoint` is off: orbax copies the arrays to host
+    memory before `save` returns (the loop may then update or donate them) and writes the files
+    in a background thread. The JSON item is part of the same orbax checkpoint, so it is renamed
+    into place together with the arrays: nothing is written beside a checkpoint. Every reader
+    (`latest_step`, `read`, `restore_latest_intact`) and `close` wait for the write in flight
+    (`wait`); orbax waits for it before the next save. A kill during the write leaves only orbax's
+    temporary folder, and a resume starts from the checkpoint before it.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from salt_jax.sharding import replicated
 # another mesh shape).
 RESUME_MAY_CHANGE = ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
                      "distributed", "coordinator", "num_processes", "process_id",
-                     "microbatch_rows", "mesh", "attention_impl", "tracker")
+                     "microbatch_rows", "mesh", "attention_impl", "tracker",
+                     "async_checkpoint")
 META_ITEM = "meta"  # the checkpoint's JSON item (orbax writes it to <step>/meta/metadata)
 
 
@@ -153,7 +161,8 @@ def abstract_on_mesh(tree, mesh):
 class RunCheckpoints:
   """The orbax checkpoints of one run under `<config.out>/checkpoints`.
 
-  A checkpoint is complete or absent (orbax writes a temporary folder and renames it). Each holds
+  A checkpoint is complete or absent (orbax writes a temporary folder and renames it), and is
+  written in the background when `config.async_checkpoint` (see `save`). Each holds
   a state pytree and a JSON item (iteration, task-sampler position, the compared config, array
   fingerprints). Before any work, `check_start` refuses a new run over existing checkpoints and a
   resume with changed settings; `restore_latest_intact` passes over damaged checkpoints (moved to
@@ -203,27 +212,40 @@ class RunCheckpoints:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     self._manager = ocp.CheckpointManager(
         os.path.abspath(self.dir),
-        options=ocp.CheckpointManagerOptions(max_to_keep=self.config.max_to_keep, create=True,
-                                             enable_async_checkpointing=False))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=self.config.max_to_keep, create=True,
+            enable_async_checkpointing=self.config.async_checkpoint))
     return self
 
+  def wait(self) -> None:
+    """Returns when the checkpoint being written (if any) is complete; raises what its write
+    raised."""
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+
   def latest_step(self) -> Optional[int]:
+    self.wait()
     return self._manager.latest_step()
 
   def save(self, step: int, state: dict, meta: dict) -> None:
     """Writes checkpoint `step`: `state` (arrays) and `meta` (JSON) plus the config and the
-    state's fingerprints."""
+    state's fingerprints (all processes call it).
+
+    Asynchronous (`config.async_checkpoint`): returns once the previous write is complete and
+    `state` is copied to host memory, so the caller may then update or donate its arrays; the
+    files are written in the background (`wait`). Otherwise it returns when the checkpoint is
+    complete."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     meta = {**meta, "config": self.compared_config(), "config_digest": self.config_digest(),
             "fingerprints": fingerprints(state)}
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    self._manager.wait_until_finished()
 
   def read(self, step: int, like: dict) -> tuple[dict, dict]:
     """Checkpoint `step`'s state (on `like`'s shardings over the run's mesh) and JSON; raises
     DamagedCheckpoint when it does not read back, or reads back other values than were saved."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    self.wait()
     try:
       got = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_on_mesh(like, self.mesh)),
@@ -240,6 +262,7 @@ class RunCheckpoints:
     """The newest checkpoint that reads back intact, as `read` returns it. Newer, damaged ones
     are named in a warning and moved to <out>/damaged_checkpoints; raises ValueError when none
     is intact."""
+    self.wait()
     damaged = {}
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
@@ -263,6 +286,9 @@ class RunCheckpoints:
     return restored
 
   def close(self) -> None:
+    """Waits for the checkpoint being written, then releases orbax's threads."""
     if self._manager is not None:
-      self._manager.close()
-      self._manager = None
+      try:
+        self._manager.close()
+      finally:
+        self._manager = None

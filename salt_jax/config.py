@@ -156,11 +156,15 @@ class RunConfig:
   resume: bool = _field(False, "continue from the last checkpoint in --out")
   checkpoint_every: int = _field(1, "save every N iterations (and after the last)")
   max_to_keep: int = _field(2, "checkpoints kept")
+  async_checkpoint: bool = _field(True, "write checkpoints in the background (orbax's async "
+                                  "save): the loop goes on once the arrays are in host memory; "
+                                  "off: a save returns when its checkpoint is complete")
   tensorboard: bool = _field(True, "write TensorBoard event files")
   progress: bool = _field(True, "show each phase's progress (a line per iteration, bars inside a "
                           "rollout and an update)")
   tracker: Optional[str] = _field(None, "also send each row to wandb or mlflow (installed "
-                                  "separately; their own settings from their environment)")
+                                  "separately; their own settings from their environment); "
+                                  "--resume continues the same tracker run (<out>/tracker.json)")
   distributed: bool = _field(False, "join several processes (jax.distributed; a TPU pod's or "
                              "SLURM's are auto-detected)")
   coordinator: Optional[str] = _field(None, "host:port of process 0 (implies --distributed)")

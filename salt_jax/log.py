@@ -9,13 +9,17 @@ what needs attention.
 
 `progress_bar` is the bar inside a phase (the turns of a rollout, the mini-batches of an update):
 tqdm on stderr, a widget in a notebook that has ipywidgets, and a silent pass-through when off.
+`import_tqdm_auto_quietly` (run by `import salt_jax`) keeps a notebook without ipywidgets free of
+tqdm's "IProgress not found" warning, which importing transformers would print.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
+import warnings
 from typing import Iterable, Optional, TextIO, Union
 
 LOGGER_NAME = "salt_jax"
@@ -77,9 +81,28 @@ def progress_bar(iterable: Optional[Iterable] = None, total: Optional[int] = Non
   """
   # pylint: disable=import-outside-toplevel
   try:
-    import ipywidgets  # noqa: F401  (tqdm.auto's notebook bar needs it, and warns without it)
+    importlib.import_module("ipywidgets")  # tqdm.auto's notebook bar needs it, warns without it
     from tqdm.auto import tqdm
   except ImportError:
-    from tqdm import tqdm
+    from tqdm.std import tqdm
   return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
               file=stream if stream is not None else sys.stderr, disable=not enabled)
+
+
+def import_tqdm_auto_quietly() -> None:
+  """Imports `tqdm.auto` without its "IProgress not found" warning, in a Jupyter kernel.
+
+  transformers imports `tqdm.auto` as it loads; in a kernel without ipywidgets that prints a
+  TqdmWarning ("IProgress not found. Please update jupyter and ipywidgets") into the notebook,
+  and tqdm falls back to its text bar, the bar `progress_bar` picks there. Imported here first,
+  with that one warning ignored, `tqdm.auto` is loaded when transformers asks for it, and says
+  nothing. Outside a kernel (where tqdm.auto does not warn) it does nothing.
+  """
+  if "ipykernel.zmqshell" not in sys.modules or "tqdm.auto" in sys.modules:
+    return
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    try:
+      importlib.import_module("tqdm.auto")
+    except ImportError:
+      pass

@@ -110,6 +110,7 @@ def read_jsonl(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- W&B / MLflow
 
 TRACKERS = ("wandb", "mlflow")
+TRACKER_FILE = "tracker.json"  # in a run's folder: {"name": ..., "run_id": ...}, for --resume
 
 
 class Tracker:
@@ -119,10 +120,16 @@ class Tracker:
   mlflow: `mlflow.set_experiment(project)`, `mlflow.start_run(run_name=)`, the config as params,
   then `mlflow.log_metrics(row, step=iteration)`. Their own settings (API keys, tracking URI) come
   from their environment variables as usual.
+
+  `run_id`: a tracker run to continue (a resumed training run's, `open_tracker`):
+  `wandb.init(..., id=run_id, resume="allow")` or `mlflow.start_run(run_id=run_id)`, whose params
+  are not logged again (MLflow refuses a changed one, and the resume changed `resume`). The rows
+  a killed run logged after its last checkpoint come again: W&B keeps the first ones (it ignores a
+  step below its last), MLflow records both. `self.run_id` is the tracker's id of the run.
   """
 
   def __init__(self, name: str, *, project: str = "salt-jax", run_name: Optional[str] = None,
-               config: Optional[Mapping[str, Any]] = None):
+               config: Optional[Mapping[str, Any]] = None, run_id: Optional[str] = None):
     if name not in TRACKERS:
       raise ValueError(f"tracker must be one of {TRACKERS}, got {name!r}")
     try:
@@ -132,12 +139,18 @@ class Tracker:
     self.name = name
     config = dict(config or {})
     if name == "wandb":
-      self._run = self._mod.init(project=project, name=run_name, config=config)
+      again = {} if run_id is None else {"id": run_id, "resume": "allow"}
+      self._run = self._mod.init(project=project, name=run_name, config=config, **again)
+      self.run_id = self._run.id
     else:
       self._mod.set_experiment(project)
-      self._run = self._mod.start_run(run_name=run_name)
-      if config:
-        self._mod.log_params({k: str(v)[:500] for k, v in flatten(config).items()})
+      if run_id is None:
+        self._run = self._mod.start_run(run_name=run_name)
+        if config:
+          self._mod.log_params({k: str(v)[:500] for k, v in flatten(config).items()})
+      else:
+        self._run = self._mod.start_run(run_id=run_id)
+      self.run_id = self._run.info.run_id
 
   def log(self, step: int, scalars: Mapping[str, float]) -> None:
     if self.name == "wandb":
@@ -150,6 +163,26 @@ class Tracker:
       self._run.finish()
     else:
       self._mod.end_run()
+
+
+def open_tracker(name: str, out_dir: str, *, resume: bool,
+                 config: Optional[Mapping[str, Any]] = None) -> Tracker:
+  """The `name` tracker of the training run in `out_dir`, named after the folder. With `resume`,
+  the tracker run recorded in `<out_dir>/tracker.json` continues (when it was `name`'s); otherwise
+  a new one starts. Either way its id is recorded there for the next resume."""
+  path = os.path.join(out_dir, TRACKER_FILE)
+  run_id = None
+  if resume and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    run_id = saved.get("run_id") if saved.get("name") == name else None
+  tracker = Tracker(name, run_name=os.path.basename(os.path.abspath(out_dir)), config=config,
+                    run_id=run_id)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({"name": name, "run_id": tracker.run_id}, f)
+  os.replace(path + ".tmp", path)  # whole or absent, whenever the run is killed
+  return tracker
 
 
 class MetricsLogger:

@@ -176,7 +176,9 @@ class _PhaseTimes(dict):
 class Trainer:
   """Owns the policy, reference, optimizer, env pool, sampler, logger and checkpoints of one run.
 
-  Usage: `Trainer(config).run()`, or `setup()` then `iteration()` repeatedly.
+  Usage: `Trainer(config).run()`, or `setup()` then `iteration()` repeatedly. Checkpoints are
+  written in the background (`config.async_checkpoint`): the last one is complete when `run()`
+  or `close()` returns, or after `checkpoints.wait()`.
   """
 
   def __init__(self, config: TrainConfig):
@@ -289,9 +291,9 @@ class Trainer:
       logger.info("setup: resumed from checkpoint %d of %s", self.iteration_index, cfg.out)
     self._sync_sampler()
     tracker = None
-    if cfg.tracker is not None and self.process_index == 0:
-      tracker = metrics_lib.Tracker(cfg.tracker, run_name=os.path.basename(os.path.abspath(cfg.out)),
-                                    config=cfg.to_json())
+    if cfg.tracker is not None and self.process_index == 0:  # a resumed run continues its own
+      tracker = metrics_lib.open_tracker(cfg.tracker, cfg.out, resume=resumed,
+                                         config=cfg.to_json())
     self._logger = metrics_lib.MetricsLogger(
         cfg.out, tensorboard=cfg.tensorboard,
         truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0,
@@ -324,6 +326,8 @@ class Trainer:
             "key": jax.random.key_data(self.key)}
 
   def save(self) -> None:
+    """Checkpoint `iteration_index`, written in the background when `config.async_checkpoint`
+    (`self.checkpoints.wait()` returns when it is complete; so do `run` and `close`)."""
     self.checkpoints.save(self.iteration_index, self._state_tree(), {
         "iteration": self.iteration_index, "task_sampler": self.task_sampler.state(),
         "skipped_updates_total": self.skipped_updates_total,
@@ -504,8 +508,10 @@ class Trainer:
     if self.iteration_index % cfg.checkpoint_every == 0 or self.iteration_index == cfg.iters:
       t0 = time.perf_counter()
       self.save()
-      self._last_save_s = time.perf_counter() - t0
-      logger.info("iteration %d: checkpoint saved in %.1fs", it + 1, self._last_save_s)
+      self._last_save_s = time.perf_counter() - t0  # async: the wait for the last one + the copy
+      logger.info("iteration %d: checkpoint %s in %.1fs", it + 1,
+                  "handed to orbax's writer" if cfg.async_checkpoint else "saved",
+                  self._last_save_s)
     return row
 
   def _update(self, mbs: list[dict], step_adv, key) -> dict:
@@ -582,6 +588,7 @@ class Trainer:
     finally:
       if progress is not None:
         progress.close()
+      self.checkpoints.wait()  # the last checkpoint is complete when run() returns or raises
     return rows
 
   def close(self) -> None:

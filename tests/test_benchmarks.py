@@ -72,3 +72,10 @@ def test_bench_model_quick_run_without_peers():
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "generate b=4, new tok/s in each round: salt-jax " in proc.stdout
   assert "train fwd+bwd b=4" in proc.stdout and "train loss" in proc.stdout
+
+
+def test_bench_checkpoint_times_both_saves(capsys):
+  import bench_checkpoint  # pylint: disable=import-outside-toplevel
+  assert bench_checkpoint.main(["--params-mb", "1", "--repeats", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "async: save returns in" in out and "sync : save returns in" in out

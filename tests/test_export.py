@@ -83,6 +83,7 @@ def run(tmp_path_factory):
                                           mesh=tr.mesh))[1]
     tr.iteration_index = 2
     tr.save()
+    tr.checkpoints.wait()  # written in the background: complete before the export reads it
     yield cfg, nnx.merge(tr.graphdef, tr.params), tr.tokenizer
 
 

@@ -1,10 +1,17 @@
 """salt_jax.log: the level from a flag or $SALT_JAX_LOG_LEVEL, one handler however often it is set
-up, and an application's own logging setup left alone."""
+up, and an application's own logging setup left alone; progress bars, and no tqdm warning in a
+notebook without ipywidgets."""
 
+import importlib
 import io
 import logging
+import sys
+import types
+import warnings
 
 import pytest
+import tqdm
+import tqdm.std
 
 from salt_jax import log
 
@@ -62,3 +69,46 @@ def test_progress_bar_goes_to_stderr_and_is_silent_when_off(capsys):
   with log.progress_bar(total=4, desc="rollout", stream=stream) as bar:
     bar.update(4)
   assert "rollout" in stream.getvalue() and capsys.readouterr() == ("", "")
+
+
+@pytest.fixture
+def kernel_without_ipywidgets(monkeypatch):
+  """What tqdm sees in a Jupyter kernel without ipywidgets, with tqdm.auto not imported yet."""
+  shell = type("ZMQInteractiveShell", (), {})()
+  monkeypatch.setitem(sys.modules, "ipykernel.zmqshell", types.ModuleType("ipykernel.zmqshell"))
+  monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+  monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import ipywidgets: ImportError
+  for name in ("auto", "autonotebook", "notebook"):
+    monkeypatch.delitem(sys.modules, f"tqdm.{name}", raising=False)
+    monkeypatch.delattr(tqdm, name, raising=False)
+
+
+def _import_warnings(import_it) -> list[str]:
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import_it()
+  return [str(w.message) for w in caught]
+
+
+def test_plain_tqdm_import_in_such_a_kernel_warns(kernel_without_ipywidgets):
+  # The warning the notebooks showed (transformers imports tqdm.auto): the fixture reproduces it.
+  assert any("IProgress not found" in m
+             for m in _import_warnings(lambda: importlib.import_module("tqdm.auto")))
+
+
+def test_no_iprogress_warning_in_a_kernel_without_ipywidgets(kernel_without_ipywidgets):
+  assert _import_warnings(log.import_tqdm_auto_quietly) == []
+  assert "tqdm.auto" in sys.modules  # what transformers imports next, silently
+  assert _import_warnings(lambda: importlib.import_module("tqdm.auto")) == []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    bar = log.progress_bar(range(2), desc="update", stream=io.StringIO())
+  assert type(bar) is tqdm.std.tqdm and not caught  # the text bar, no widget
+  bar.close()
+
+
+def test_progress_bar_is_tqdm_auto_when_ipywidgets_imports(monkeypatch):
+  monkeypatch.setitem(sys.modules, "ipywidgets", types.ModuleType("ipywidgets"))
+  import tqdm.auto  # pylint: disable=import-outside-toplevel
+  with log.progress_bar(total=1, stream=io.StringIO()) as bar:
+    assert type(bar) is tqdm.auto.tqdm

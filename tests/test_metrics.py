@@ -1,7 +1,10 @@
 """Metrics logs after a kill: torn last writes, and the cut back on resume, read back by
 TensorBoard's own reader."""
 
+import json
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -74,9 +77,11 @@ def test_no_tensorboard_and_other_processes_write_no_events(tmp_path):
 class _FakeWandb:
   def __init__(self):
     self.calls = []
+    self.id = None
 
   def init(self, **kw):
     self.calls.append(("init", kw))
+    self.id = kw.get("id", f"w{len(self.calls)}")  # a new id for each new run
     return self
 
   def log(self, row, step):
@@ -89,6 +94,11 @@ class _FakeWandb:
 class _FakeMlflow:
   def __init__(self):
     self.calls = []
+
+  def start_run(self, *a, **kw):
+    self.calls.append(("start_run", a, kw))
+    return types.SimpleNamespace(info=types.SimpleNamespace(
+        run_id=kw.get("run_id", f"m{len(self.calls)}")))
 
   def __getattr__(self, name):
     return lambda *a, **kw: self.calls.append((name, a, kw))
@@ -123,3 +133,37 @@ def test_tracker_sends_the_numbers_of_each_row_to_wandb_or_mlflow(tmp_path, monk
   monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
   with pytest.raises(ImportError, match="pip install wandb"):
     metrics_lib.Tracker("wandb")
+
+
+def test_a_resumed_run_continues_its_tracker_run(tmp_path, monkeypatch):
+  """The first run records its tracker run's id in <out>/tracker.json; --resume passes it back;
+  a fresh run (a new folder, or no --resume) and another tracker start a new one."""
+  wandb, mlflow = _FakeWandb(), _FakeMlflow()
+  monkeypatch.setitem(sys.modules, "wandb", wandb)
+  monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+  run, other = str(tmp_path / "run"), str(tmp_path / "other")
+
+  def recorded(out):
+    with open(os.path.join(out, metrics_lib.TRACKER_FILE), encoding="utf-8") as f:
+      return json.load(f)
+
+  first = metrics_lib.open_tracker("wandb", run, resume=False, config={"lr": 1.0})
+  assert first.run_id == "w1" and recorded(run) == {"name": "wandb", "run_id": "w1"}
+  assert "id" not in wandb.calls[-1][1] and wandb.calls[-1][1]["name"] == "run"
+  again = metrics_lib.open_tracker("wandb", run, resume=True, config={"lr": 1.0})
+  assert again.run_id == "w1" and recorded(run)["run_id"] == "w1"
+  assert wandb.calls[-1] == ("init", {"project": "salt-jax", "name": "run", "config": {"lr": 1.0},
+                                      "id": "w1", "resume": "allow"})
+  for out, resume in ((other, True), (other, False), (run, False)):  # nothing to continue
+    tracker = metrics_lib.open_tracker("wandb", out, resume=resume)
+    assert "id" not in wandb.calls[-1][1] and tracker.run_id != "w1"
+    assert recorded(out)["run_id"] == tracker.run_id
+
+  # MLflow: start_run(run_id=) on resume, without logging the params again.
+  mlflow_first = metrics_lib.open_tracker("mlflow", run, resume=True)  # wandb's id: a new run
+  assert mlflow.calls[-1] == ("start_run", (), {"run_name": "run"})
+  mlflow.calls.clear()
+  assert metrics_lib.open_tracker("mlflow", run, resume=True, config={"lr": 1.0}).run_id \
+      == mlflow_first.run_id
+  assert mlflow.calls == [("set_experiment", ("salt-jax",), {}),
+                          ("start_run", (), {"run_id": mlflow_first.run_id})]

@@ -1,8 +1,14 @@
 """Every notebook in colab/ runs top to bottom on this CPU (cells needing an accelerator skip
-themselves), so the notebooks never rot."""
+themselves), so the notebooks never rot.
+
+`python tests/test_notebooks.py [colab/x.ipynb ...]` runs them (all by default) the same way and
+writes their outputs into them: the committed outputs GitHub shows.
+"""
 
 import os
 import pathlib
+import sys
+import tempfile
 
 import nbformat
 import pytest
@@ -12,15 +18,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
 
 
+def kernel_pythonpath() -> str:
+  """The kernel's PYTHONPATH: this checkout first, whatever salt-jax is installed (or not)."""
+  return os.pathsep.join(
+      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def execute(path, workdir) -> nbformat.NotebookNode:
+  """Notebook `path` run top to bottom by a fresh kernel in folder `workdir`, with its outputs."""
+  nb = nbformat.read(path, as_version=4)
+  NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
+                 resources={"metadata": {"path": str(workdir)}}).execute()
+  return nb
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
-  # The kernel imports this checkout, whatever salt-jax is installed (or not) in the environment.
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-  nb = nbformat.read(path, as_version=4)
-  client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                          resources={"metadata": {"path": str(tmp_path)}})
-  client.execute()
+  monkeypatch.setenv("PYTHONPATH", kernel_pythonpath())
+  nb = execute(path, tmp_path)
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
@@ -89,3 +104,38 @@ def test_committed_notebook_holds_its_outputs(path):
   outputs = [o for c in code for o in c.get("outputs", [])]
   assert not [o for o in outputs if o.get("output_type") == "error"]
   assert any("image/png" in o.get("data", {}) for o in outputs)
+  # no tqdm warning for the missing ipywidgets (transformers' import; `import salt_jax` stops it)
+  assert not [o for o in outputs if "IProgress not found" in str(o.get("text", ""))]
+
+
+def coalesce_streams(nb) -> None:
+  """Each run of stream outputs (stdout or stderr) of a cell as one output, every line as a
+  notebook front end shows it after its carriage returns (a progress bar's last state): nbclient
+  stores every write apart."""
+  for cell in nb.cells:
+    if cell.cell_type != "code":
+      continue
+    merged = []
+    for o in cell.outputs:
+      last = merged[-1] if merged else None
+      if (o.output_type == "stream" and last is not None and last.output_type == "stream"
+          and last.name == o.name):
+        last.text += o.text
+      else:
+        merged.append(o)
+    for o in merged:
+      if o.output_type == "stream":
+        o.text = "\n".join(line.rsplit("\r", 1)[-1] for line in o.text.split("\n"))
+    cell.outputs = [o for o in merged if o.output_type != "stream" or o.text.strip()]
+
+
+if __name__ == "__main__":
+  os.environ["PYTHONPATH"] = kernel_pythonpath()
+  root = pathlib.Path(tempfile.mkdtemp(prefix="colab-run-"))
+  for arg in sys.argv[1:] or NOTEBOOKS:
+    nb_path = pathlib.Path(arg).resolve()
+    (root / nb_path.stem).mkdir()
+    print(f"running {nb_path.name} in {root / nb_path.stem}", flush=True)
+    nb = execute(nb_path, root / nb_path.stem)
+    coalesce_streams(nb)
+    nbformat.write(nb, nb_path)

@@ -96,6 +96,7 @@ def run_a(warm, tmp_path_factory):
       rows.append(tr.iteration())
       if first is None:
         first = (tr.last.rollout, [dict(mb) for mb in tr.last.minibatches], tr.last.advantages)
+    tr.checkpoints.wait()  # the tests copy its folder: checkpoint 3 complete, not in flight
     yield cfg, tr, rows, first
 
 
@@ -156,12 +157,15 @@ def test_salt_changes_the_advantages_and_nothing_else(run_a, warm, tmp_path):
 # A training process to kill (orbax's commit is reached through its private module: the version
 # is pinned in pyproject.toml). argv: a TrainConfig as JSON, then where to stop and wait to be
 # killed: "none", "in-save:N" (inside orbax's commit of checkpoint N: its files are written to the
-# temporary folder, not yet renamed into place) or "after-save:N" (checkpoint N complete). It
+# temporary folder, not yet renamed into place; with async saves the loop goes on meanwhile),
+# "in-flight:N" (async saves only: N's commit is held, and the loop goes on until it has to wait
+# for it: the next save, or the end of the run) or "after-save:N" (checkpoint N complete). It
 # writes <out>/ready (holding the iteration it starts at) when training starts and <out>/paused
 # when it stops.
 DRIVER = """
-import json, os, sys, time
+import json, os, sys, threading, time
 from orbax.checkpoint._src.path import atomicity
+from salt_jax.checkpoint import RunCheckpoints
 from salt_jax.train import TrainConfig, Trainer
 
 cfg = TrainConfig(**json.loads(sys.argv[1]))
@@ -176,19 +180,38 @@ def pause():
   mark("paused")
   time.sleep(3600)
 
+held, issued = threading.Event(), threading.Event()  # in-flight: N's commit held; save(N) returned
 commit = atomicity.AtomicRenameTemporaryPath.finalize
 async def finalize(self):
-  if where == "in-save" and self.get_final().name == step:
-    pause()
+  if where in ("in-save", "in-flight") and self.get_final().name == step:
+    if where == "in-save":
+      pause()
+    held.set()
+    time.sleep(3600)
   await commit(self)
 atomicity.AtomicRenameTemporaryPath.finalize = finalize
 
+def pause_if_waiting_for_held():  # the loop reached a wait for the held commit
+  if where == "in-flight" and issued.is_set():
+    held.wait()
+    pause()
+
 save = Trainer.save
 def save_then_pause(self):
+  pause_if_waiting_for_held()
   save(self)
+  if where == "in-flight" and self.iteration_index == int(step):
+    issued.set()
   if where == "after-save" and self.iteration_index == int(step):
+    self.checkpoints.wait()
     pause()
 Trainer.save = save_then_pause
+
+wait = RunCheckpoints.wait
+def pause_or_wait(self):
+  pause_if_waiting_for_held()
+  wait(self)
+RunCheckpoints.wait = pause_or_wait
 
 with Trainer(cfg) as tr:
   tr.setup()
@@ -281,14 +304,19 @@ def _kill_three_times_and_resume(cfg, rows, tmp_path):
   last = done[-1] if done else 0
 
   # 2. SIGKILL inside the next checkpoint's commit: the resumed run starts from the last complete
-  # checkpoint, and the half-written one is left aside.
-  proc = _start(resume, f"in-save:{last + 1}", tmp_path)
+  # checkpoint, and the half-written one is left aside. Saved asynchronously, the loop went on
+  # while it was written, up to the next save, and logged the iteration after it.
+  stop = "in-flight" if cfg.async_checkpoint else "in-save"
+  proc = _start(resume, f"{stop}:{last + 1}", tmp_path)
   assert _wait_for(proc, os.path.join(out, "ready")) == str(last)
   _wait_for(proc, os.path.join(out, "paused"))
   _kill(proc)
   done, partial = _steps(out)
   assert (done[-1] if done else 0) == last
   assert any(n.startswith(f"{last + 1}.") for n in partial), partial
+  if cfg.async_checkpoint and last + 1 < cfg.iters:
+    logged = metrics_lib.read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert logged[-1]["iteration"] == last + 1, logged
 
   # 3. SIGKILL right after the last checkpoint is complete.
   proc = _start(resume, f"after-save:{cfg.iters}", tmp_path)
