@@ -13,8 +13,13 @@ The check behind tests/test_learning.py and docs/study.md's "Proof that the trai
   PYTHONPATH=. python experiments/learning_check.py --seeds 0 1 2 --salt both \\
       --out experiments/results/learning_check.json
 
-Each run prints one JSON line; --out collects them. Any `TrainConfig` field can be overridden with
---set name=value (a Python literal), e.g. --set lr=1e-3 --set layout=trajectory.
+The tests run under tests/conftest.py's 8 simulated CPU devices, which change XLA's CPU numerics
+and so every rollout after the warm start; to reproduce their figures, run the driver the same way:
+XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/learning_check.py
+
+Each run prints one JSON line; --out collects them (each measurement also lists its rounds' own
+success, so the first 2 rounds of a 6-round measurement are the 2-round one). Any `TrainConfig`
+field can be overridden with --set name=value (a Python literal), e.g. --set lr=1e-3.
 """
 
 from __future__ import annotations
@@ -105,22 +110,28 @@ def warm_start(check: Check, path: str, seed: int) -> str:
 
 
 def sampled_success(trainer: Trainer, check: Check) -> dict:
-  """Sampled success of the current policy, overall and per task type: `eval_rounds` rounds of
-  G trajectories of every training task, each round with its own fixed key and listing order."""
+  """Sampled success of the current policy, overall, per task type, per round and per task:
+  `eval_rounds` rounds of G trajectories of every training task, each round with its own fixed
+  key and listing order."""
   tasks = trainer.task_sampler.tasks
-  won, types, valid = [], [], []
+  won, types, ids, valid, rounds = [], [], [], [], []
   for r in range(check.eval_rounds):
     seed = check.eval_seed + r
     batch = trainer.collect_rollout(tasks, jax.random.key(seed), seed=seed,
                                     group_size=trainer.config.group_size)
     won.append(batch.success[~batch.failed])
     types.append(np.asarray(batch.task_types)[~batch.failed])
+    ids.append(np.asarray(batch.task_ids)[~batch.failed])
     valid.append(batch.metrics["valid_action_ratio"])
-  won, types = np.concatenate(won), np.concatenate(types)
+    rounds.append(round(float(won[-1].mean()), 4))
+  won, types, ids = np.concatenate(won), np.concatenate(types), np.concatenate(ids)
   out = {"all": float(won.mean())}
   out.update({t: float(won[types == t].mean()) for t in sorted(set(types.tolist()))})
   out["valid_steps"] = float(np.mean(valid))
-  return {k: round(v, 4) for k, v in out.items()}
+  out = {k: round(v, 4) for k, v in out.items()}
+  out["rounds"] = rounds  # each round's own success: the first rounds are a shorter measurement
+  out["tasks"] = {t: round(float(won[ids == t].mean()), 4) for t in sorted(set(ids.tolist()))}
+  return out
 
 
 def learning_run(check: Check, seed: int, salt: bool, workdir: str) -> dict:
