@@ -132,7 +132,8 @@ class UpdateConfig:
   clip_eps: float = _field(0.2, "PPO clip range")
   clip_eps_high: Optional[float] = _field(None, "upper clip range (default: clip_eps)")
   dual_clip: Optional[float] = _field(None, "dual-clip constant c for negative advantages")
-  kl_coef: float = _field(0.01, "KL-to-reference coefficient")
+  kl_coef: float = _field(0.01, "KL-to-reference coefficient (0: the reference is not evaluated "
+                          "and the logged kl is 0)")
   kl_estimator: str = _field("k3", "k1, k2 or k3")
   loss_agg: str = _field("token-mean", "token-mean, seq-mean-token-mean or seq-mean-token-sum")
   ppo_epochs: int = _field(1, "passes over the batch per iteration")

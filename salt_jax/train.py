@@ -481,9 +481,10 @@ class Trainer:
           if cfg.recompute_old_logprobs:
             for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
               mb["old_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
-        with times("ref_logprob"):
-          for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):
-            mb["ref_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
+        if cfg.kl_coef > 0:  # without a KL term the reference is not evaluated (kl logs 0)
+          with times("ref_logprob"):
+            for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):
+              mb["ref_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
         with times("update"):
           upd = self._update(mbs, step_adv, k_shuffle)
     m.update(upd)

@@ -107,7 +107,7 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
     loss, m = policy_loss(
         logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high, dual_clip=config.dual_clip,
-        ref_logp=mb["ref_logprobs"], kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+        ref_logp=mb.get("ref_logprobs"), kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
         loss_agg=config.loss_agg)
     return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
 

@@ -383,6 +383,19 @@ def test_layouts_give_the_same_update_and_drgrpo_its_advantages(warm, tmp_path):
       np.testing.assert_allclose(r[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+def test_without_kl_the_reference_is_not_evaluated(warm, tmp_path):
+  """kl_coef 0: no reference log-probs are computed (the phase takes no time), the loss is the
+  clipped policy loss alone and the logged kl is 0."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "nokl"), init_params=warm, kl_coef=0.0,
+                            iters=1, checkpoint_every=1)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    row = tr.iteration()
+  assert row["num_updates"] >= 1 and row["time/ref_logprob"] == 0.0 and row["kl"] == 0.0
+  assert all("ref_logprobs" not in mb for mb in tr.last.minibatches)
+  np.testing.assert_allclose(row["loss"], row["pg_loss"], rtol=1e-6, atol=1e-8)
+
+
 def test_microbatches_give_the_same_update(warm, tmp_path):
   """One 32-row mini-batch in one pass or as 4 micro-batches of 8 rows: the same loss, metrics
   and gradient, with a mean over sequences (weighted by live rows) and token-mean metrics
