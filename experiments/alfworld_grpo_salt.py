@@ -9,9 +9,10 @@
 
 Without --model (or --init-params, --tokenizer, --tiny-policy, --config) the policy is the
 starter shipped in envs/alfworld_data/starter_policy (experiments/build_alfworld_policy.py): a
-small Qwen2 cloned from a noisy expert on 8 short valid_train tasks, with a tokenizer fitted to
+small Qwen2 cloned from a noisy expert on 4 short valid_train tasks, with a tokenizer fitted to
 ALFWorld's words; it is played on those tasks with the prompts it was cloned with
-(`envs.alfworld.starter_defaults`). Every `TrainConfig` field is a flag (`salt_jax.cli`); see --help.
+(`envs.alfworld.starter_defaults`). Every `TrainConfig` field is a flag (`salt_jax.cli`); see
+--help.
 """
 
 import sys

@@ -34,7 +34,6 @@ import tempfile
 import time
 from typing import Optional
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -46,6 +45,7 @@ from salt_jax.agent.prompts import env_prompt_config
 from salt_jax.config import TrainConfig
 from salt_jax.models.build import build_policy, build_tokenizer, save_params
 from salt_jax.sharding import make_mesh
+from salt_jax import train
 from salt_jax.train import Trainer
 
 # The settings that learn (docs/study.md): 4 walk tasks of 3 rooms, at most 8 steps; Markov
@@ -110,28 +110,9 @@ def warm_start(check: Check, path: str, seed: int) -> str:
 
 
 def sampled_success(trainer: Trainer, check: Check) -> dict:
-  """Sampled success of the current policy, overall, per task type, per round and per task:
-  `eval_rounds` rounds of G trajectories of every training task, each round with its own fixed
-  key and listing order."""
-  tasks = trainer.task_sampler.tasks
-  won, types, ids, valid, rounds = [], [], [], [], []
-  for r in range(check.eval_rounds):
-    seed = check.eval_seed + r
-    batch = trainer.collect_rollout(tasks, jax.random.key(seed), seed=seed,
-                                    group_size=trainer.config.group_size)
-    won.append(batch.success[~batch.failed])
-    types.append(np.asarray(batch.task_types)[~batch.failed])
-    ids.append(np.asarray(batch.task_ids)[~batch.failed])
-    valid.append(batch.metrics["valid_action_ratio"])
-    rounds.append(round(float(won[-1].mean()), 4))
-  won, types, ids = np.concatenate(won), np.concatenate(types), np.concatenate(ids)
-  out = {"all": float(won.mean())}
-  out.update({t: float(won[types == t].mean()) for t in sorted(set(types.tolist()))})
-  out["valid_steps"] = float(np.mean(valid))
-  out = {k: round(v, 4) for k, v in out.items()}
-  out["rounds"] = rounds  # each round's own success: the first rounds are a shorter measurement
-  out["tasks"] = {t: round(float(won[ids == t].mean()), 4) for t in sorted(set(ids.tolist()))}
-  return out
+  """`salt_jax.train.sampled_success` of the current policy over `check.eval_rounds` rounds from
+  `check.eval_seed`: overall, per task type, per round and per task."""
+  return train.sampled_success(trainer, check.eval_rounds, check.eval_seed)
 
 
 def learning_run(check: Check, seed: int, salt: bool, workdir: str) -> dict:

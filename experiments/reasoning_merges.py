@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from learning_check import LEARNS, Check, emit, warm_start
-from salt_jax.graph import build_merge_ids, cross_prompt_merges, sample_ids
 from salt_jax.train import Trainer
 
 # Room for the stand-in reasoning (demonstration responses of at most ~75 toy tokens); the plain
@@ -44,12 +43,7 @@ def measure(check: Check, seed: int, workdir: str) -> dict:
     batch = tr.collect_rollout(tr.task_sampler.tasks, jax.random.key(check.eval_seed),
                                seed=check.eval_seed, group_size=cfg.group_size)
     _, _, _, m = tr.step_advantages(batch)  # the trainer's own merge metrics
-    trajs, groups = batch.trajectories_for_salt()
-    merge = build_merge_ids(trajs, groups, history=cfg.salt_history, embedder=tr.embedder,
-                            threshold=cfg.embed_threshold)  # the same merges, to read responses
-  # Steps whose merged edge holds more than one distinct response (cross_prompt_merges counts
-  # steps whose edge holds more than one distinct id, here the response's).
-  differ = cross_prompt_merges(merge.ids, sample_ids(batch.response_ids))
+  differ = int(m["response_differing_merges"])
   merged = int(m["merged_steps"])
   ok = ~batch.failed
   return {

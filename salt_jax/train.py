@@ -66,7 +66,8 @@ logger = logging.getLogger(__name__)
 
 # SALT's metrics in an iteration without merges (SALT off, or no step to merge).
 NO_MERGE_METRICS = dict(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
-                        merged_steps=0, gradient_changing_share=float("nan"))
+                        merged_steps=0, gradient_changing_share=float("nan"),
+                        response_differing_merges=0)
 
 
 class TaskSampler:
@@ -148,14 +149,48 @@ def rollout_metrics(full, batch) -> dict:
 def merge_metrics(batch, merge, before: np.ndarray) -> dict:
   """SALT's merges and where they change the policy gradient: edges whose members are different
   (prompt, response) samples with different advantages (the same tokens share one gradient
-  term)."""
+  term); `response_differing_merges`: steps whose merged edge holds more than one response (what
+  reasoning text makes common)."""
   merged = int(np.sum(np.bincount(merge.ids)[merge.ids] > 1))
   changing = gradient_changing_merges(merge.ids, sample_ids(batch.prompt_ids, batch.response_ids),
                                       before)
   return {"merge_rate": merge.merge_rate,
           "cross_prompt_merges": cross_prompt_merges(merge.ids, sample_ids(batch.prompt_ids)),
           "merged_steps": merged, "gradient_changing_merges": changing,
+          "response_differing_merges": cross_prompt_merges(merge.ids,
+                                                           sample_ids(batch.response_ids)),
           "gradient_changing_share": changing / merged if merged else float("nan")}
+
+
+def sampled_success(trainer: "Trainer", rounds: int, first_seed: int) -> dict:
+  """Sampled success of the trainer's current policy on its training tasks: `rounds` rounds of G
+  trajectories of every task (`Trainer.collect_rollout`), round r with key and listing-order
+  seed `first_seed + r`; failed trajectories left out.
+
+  Returns {"all": success, <task type>: its success, "valid_steps": the rounds' mean valid-step
+  share, "trajectories": how many were counted, "rounds": each round's success, "tasks": {task id:
+  its success}} (rates rounded to 4 places).
+  """
+  won, types, ids, valid, per_round = [], [], [], [], []
+  for r in range(rounds):
+    seed = first_seed + r
+    batch = trainer.collect_rollout(trainer.task_sampler.tasks, jax.random.key(seed), seed=seed,
+                                    group_size=trainer.config.group_size)
+    kept = ~batch.failed
+    won.append(batch.success[kept])
+    types.append(np.asarray(batch.task_types)[kept])
+    ids.append(np.asarray(batch.task_ids)[kept])
+    valid.append(batch.metrics["valid_action_ratio"])
+    per_round.append(round(float(won[-1].mean()), 4))
+  won, types, ids = np.concatenate(won), np.concatenate(types), np.concatenate(ids)
+  out = {"all": float(won.mean())}
+  out.update({t: float(won[types == t].mean()) for t in sorted(set(types.tolist()))})
+  out["valid_steps"] = float(np.mean(valid))
+  out = {k: round(v, 4) for k, v in out.items()}
+  out["trajectories"] = int(won.size)
+  out["rounds"] = per_round  # each round's own success: the first rounds are a shorter measurement
+  out["tasks"] = {t: round(float(won[ids == t].mean()), 4) for t in sorted(set(ids.tolist()))}
+  return out
 
 
 class _PhaseTimes(dict):

@@ -24,6 +24,7 @@ def built(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("policy"))
   assert build_alfworld_policy.main(
       ["--num-tasks", "2", "--max-plan", "5", "--max-steps", "6", "--demos-per-task", "2",
+       "--prompt-history", "1",
        "--steps", "12", "--rows", "2", "--hidden", "32", "--layers", "1", "--heads", "2",
        "--kv-heads", "1", "--intermediate", "64", "--eval-rounds", "1", "--out", out]) == 0
   return out

@@ -36,7 +36,7 @@ from salt_jax import sft
 from salt_jax.sharding import make_mesh
 from salt_jax.config import TrainConfig
 from salt_jax.models.build import build_policy, build_tokenizer, save_params
-from salt_jax.train import Trainer, _stats
+from salt_jax.train import Trainer, _stats, sampled_success
 from tests import references as ref
 from tests.tensorboard_reader import read_tensorboard
 
@@ -52,6 +52,7 @@ BASE = TrainConfig(env="toy", env_kwargs=ENV_KW, tokenizer="toy", group_size=4, 
 REQUIRED = [
     "iteration", "success_rate", "episode_length", "valid_action_ratio", "merge_rate",
     "cross_prompt_merges", "merged_steps", "gradient_changing_merges", "gradient_changing_share",
+    "response_differing_merges",
     "adv_before/mean", "adv_before/std", "adv_before/abs_mean",
     "adv_after/mean", "adv_after/std", "adv_after/abs_mean", "adv_frac_changed", "kl",
     "clip_fraction", "entropy", "loss", "grad_norm", "lr", "skipped_groups", "invalid_rewards",
@@ -62,6 +63,7 @@ REQUIRED = [
 FOLLOWS_FROM_ADVANTAGES = {
     "adv_after/mean", "adv_after/std", "adv_after/abs_mean", "adv_frac_changed", "merge_rate",
     "cross_prompt_merges", "merged_steps", "gradient_changing_merges", "gradient_changing_share",
+    "response_differing_merges",
     "loss", "pg_loss", "grad_norm", "kl", "clip_fraction", "ratio_mean",
     "approx_kl_old", "entropy"}
 
@@ -110,6 +112,7 @@ def test_metrics_written_with_all_keys(run_a):
     assert r["skipped_updates"] == 0 and r["num_updates"] >= 1
     assert math.isfinite(r["loss"]) and math.isfinite(r["kl"]) and r["lr"] == cfg.lr
     assert 0.0 <= r["merge_rate"] < 1.0 and 0.0 <= r["valid_action_ratio"] <= 1.0
+    assert 0 <= r["response_differing_merges"] <= r["merged_steps"]
   assert logged == [json.loads(json.dumps(r)) for r in rows]
   assert rows[2]["kl"] > 0.0  # the policy has moved off its reference
   # TensorBoard, as its own reader sees it: every scalar once at its step, and the histograms of
@@ -394,6 +397,27 @@ def test_without_kl_the_reference_is_not_evaluated(warm, tmp_path):
   assert row["num_updates"] >= 1 and row["time/ref_logprob"] == 0.0 and row["kl"] == 0.0
   assert all("ref_logprobs" not in mb for mb in tr.last.minibatches)
   np.testing.assert_allclose(row["loss"], row["pg_loss"], rtol=1e-6, atol=1e-8)
+
+
+def test_sampled_success_counts_the_rounds_rollouts(warm, tmp_path):
+  """`sampled_success` against the rollouts it plays, re-collected with the same keys and seeds:
+  success overall, per type, per task and per round, and the valid-step share."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "ss"), init_params=warm)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    got = sampled_success(tr, rounds=2, first_seed=7)
+    batches = [tr.collect_rollout(tr.task_sampler.tasks, jax.random.key(s), seed=s,
+                                  group_size=cfg.group_size) for s in (7, 8)]
+  won = np.concatenate([b.success[~b.failed] for b in batches])
+  types = np.concatenate([np.asarray(b.task_types)[~b.failed] for b in batches])
+  ids = np.concatenate([np.asarray(b.task_ids)[~b.failed] for b in batches])
+  assert got["all"] == round(float(won.mean()), 4) and got["trajectories"] == won.size
+  assert got["rounds"] == [round(float(b.success[~b.failed].mean()), 4) for b in batches]
+  for t in set(types.tolist()):
+    assert got[t] == round(float(won[types == t].mean()), 4)
+  assert got["tasks"] == {t: round(float(won[ids == t].mean()), 4) for t in sorted(set(ids))}
+  assert got["valid_steps"] == round(float(np.mean(
+      [b.metrics["valid_action_ratio"] for b in batches])), 4)
 
 
 def test_microbatches_give_the_same_update(warm, tmp_path):
