@@ -247,10 +247,10 @@ def pad_rows(x, size: int, dtype) -> np.ndarray:
 def advantage_inputs(batch, algorithm, size: int) -> tuple:
   """(row_rewards f32, group_ids int32, row_mask bool, stat_rows bool), each [size]: the step
   rows of a `RolloutBatch` as `algorithm` (its reward_scale, penalty_scope and group_stats: an
-  `AlgorithmConfig` or a `TrainConfig`) scores them, padded with masked rows to `size` >= the
-  number of steps."""
+  `AlgorithmConfig` or a `TrainConfig`; gamma too) scores them, padded with masked rows to
+  `size` >= the number of steps."""
   n = batch.num_total_steps
-  return (pad_rows(batch.row_rewards(algorithm.reward_scale, algorithm.penalty_scope), size,
-                   np.float32),
+  rewards = batch.row_rewards(algorithm.reward_scale, algorithm.penalty_scope, algorithm.gamma)
+  return (pad_rows(rewards, size, np.float32),
           pad_rows(batch.step_group_ids, size, np.int32), pad_rows(np.ones(n, bool), size, bool),
           pad_rows(batch.stat_rows(algorithm.group_stats), size, bool))

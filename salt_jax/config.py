@@ -108,6 +108,9 @@ class AlgorithmConfig:
                               "verl-agent's)")
   group_stats: str = _field("trajectories", "group statistics over trajectories (one vote each) "
                             "or over step rows (steps: verl-agent's)")
+  gamma: float = _field(1.0, "each step row's return discounted by the steps after it, "
+                        "gamma ** (T - 1 - t) (GiGPO's step returns; 1: the whole return on "
+                        "every row, verl-agent's GRPO)")
   salt: bool = _field(True, "SALT step-level advantages")
   salt_history: int = _field(3, "SALT's h: a merged state is the last h (action, observation) "
                              "pairs")
@@ -250,6 +253,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")
     need(math.isfinite(self.reward_scale) and self.reward_scale > 0,
          f"reward_scale must be > 0, got {self.reward_scale}")
+    need(0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}")
     need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
          f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
          f"{self.embedder!r}")

@@ -186,23 +186,31 @@ class RolloutBatch:
     """f32[N]: -penalty on invalid steps, 0 elsewhere (verl-agent's per-row form)."""
     return np.where(self.step_valid, 0.0, -self.invalid_action_penalty).astype(np.float32)
 
-  def row_rewards(self, reward_scale: float = 1.0, penalty_scope: str = "trajectory") -> np.ndarray:
+  def row_rewards(self, reward_scale: float = 1.0, penalty_scope: str = "trajectory",
+                  gamma: float = 1.0) -> np.ndarray:
     """f32[N]: each step row's reward for step-row group advantages.
 
     penalty_scope "trajectory": the trajectory's reward_scale * returns - penalty * num_invalid on
       every row (with reward_scale 1, its `outcome_rewards`);
     "step": reward_scale * returns on every row, minus the penalty on each invalid row alone
       (verl-agent's rows: reward_scale 10, an outcome env's returns = won).
+    gamma < 1 discounts the return part by the steps after the row, gamma ** (T - 1 - t) for step
+      t of T (GiGPO's step returns for an outcome reward, process_reward_t + gamma ** (T - 1 - t) *
+      outcome: a detour earns an early step less than the direct way); the penalty is not
+      discounted. gamma 1: every row the whole return (verl-agent's GRPO and RLOO).
     Rows of failed trajectories score 0.
     """
     if penalty_scope not in PENALTY_SCOPES:
       raise ValueError(f"penalty_scope must be one of {PENALTY_SCOPES}, got {penalty_scope!r}")
+    if not 0.0 < gamma <= 1.0:
+      raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     t = self.step_traj_ids
-    base = reward_scale * self.returns.astype(np.float64)
+    steps_after = self.num_steps[t].astype(np.float64) - 1.0 - self.step_index
+    base = reward_scale * self.returns.astype(np.float64)[t] * gamma ** steps_after
     if penalty_scope == "trajectory":
-      rows = (base - self.invalid_action_penalty * self.num_invalid)[t]
+      rows = base - (self.invalid_action_penalty * self.num_invalid)[t]
     else:
-      rows = base[t] + self.step_invalid_penalty
+      rows = base + self.step_invalid_penalty
     return np.where(self.failed[t], 0.0, rows).astype(np.float32)
 
   def stat_rows(self, group_stats: str = "trajectories") -> np.ndarray:

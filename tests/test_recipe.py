@@ -104,6 +104,35 @@ def test_row_rewards_and_stat_rows(batch):
     batch.stat_rows("rows")
 
 
+def test_discounted_row_rewards_against_a_loop(batch):
+  """gamma < 1: each row's return part discounted by the steps after it (GiGPO's step returns for
+  an outcome reward), the penalty as its scope says; gamma 1 is the undiscounted form."""
+  np.testing.assert_array_equal(batch.row_rewards(10.0, "step", 1.0),
+                                batch.row_rewards(10.0, "step"))
+  gamma = 0.9
+  for scope in ("step", "trajectory"):
+    want = []
+    for i in range(batch.num_total_steps):
+      traj = batch.step_traj_ids[i]
+      after = batch.num_steps[traj] - 1 - batch.step_index[i]
+      r = 10.0 * batch.returns[traj] * gamma ** after
+      if scope == "step":
+        r -= 0.0 if batch.step_valid[i] else batch.invalid_action_penalty
+      else:
+        r -= batch.invalid_action_penalty * batch.num_invalid[traj]
+      want.append(0.0 if batch.failed[traj] else r)
+    np.testing.assert_allclose(batch.row_rewards(10.0, scope, gamma), want, rtol=1e-6, atol=1e-7)
+  # A won trajectory's last row keeps the whole return; earlier rows get less.
+  won_last = batch.success[batch.step_traj_ids] & (
+      batch.step_index == batch.num_steps[batch.step_traj_ids] - 1) & batch.step_valid
+  np.testing.assert_allclose(batch.row_rewards(10.0, "step", gamma)[won_last], 10.0, rtol=1e-6)
+  for bad in (0.0, -0.5, 1.5, float("nan")):
+    with pytest.raises(ValueError, match="gamma"):
+      batch.row_rewards(1.0, "step", bad)
+    with pytest.raises(ValueError, match="gamma"):
+      TrainConfig(gamma=bad).validate()
+
+
 def test_default_scoring_is_the_per_trajectory_outcome_advantage(batch):
   # Trajectory-form rows with one vote per trajectory = GRPO over outcome rewards, repeated.
   cfg = TrainConfig(tasks_per_iter=len(TASKS))
