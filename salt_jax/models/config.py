@@ -34,8 +34,8 @@ ATTENTION_IMPLS: Mapping[str, str] = {
 # for the backward pass; names as MaxText's `remat_policy`. A forward pass alone is unchanged.
 REMAT_POLICIES: Mapping[str, str] = {
     "none": "every decoder layer's activations (attention scores included): no recomputation",
-    "full": "each decoder layer's input only; the backward pass recomputes the layer's forward "
-            "(about one more forward's FLOPs, activations of one layer live at a time)",
+    "full": "each decoder layer's input only; the backward pass recomputes the layer's forward, "
+            "so one layer's activations are live at a time",
 }
 
 
