@@ -71,7 +71,7 @@ from salt_jax import batching, sampling, update  # noqa: E402
 from salt_jax.config import PARAM_DTYPES, TrainConfig  # noqa: E402
 from salt_jax.models import (CausalLM, ModelConfig, default_attention_impl,  # noqa: E402
                              param_shardings)
-from salt_jax.models.config import PRESETS  # noqa: E402
+from salt_jax.models.config import PRESETS, REMAT_POLICIES  # noqa: E402
 from salt_jax.models.partitioning import ActivationSharding  # noqa: E402
 from salt_jax.sharding import batch_sharding, make_mesh, replicated  # noqa: E402
 
@@ -327,7 +327,8 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
     if not flops:
       continue
     flop_rows = micro if name == "update" else int(mesh.shape["data"])
-    twin_cfg = dataclasses.replace(cfg, microbatch_rows=0, logprob_chunk=shape.seq_len)
+    twin_cfg = dataclasses.replace(cfg, microbatch_rows=0, logprob_microbatch_rows=0,
+                                   logprob_chunk=shape.seq_len)
     twin_lp, twin_step = programs_for(twin_cfg, flop_rows)
     twin, _ = compile_program(name + "-flops", twin_step if name == "update" else twin_lp,
                               args_for(name, flop_rows, shape.seq_len,
@@ -446,6 +447,10 @@ def main(argv=None) -> int:
                   help="reference parameters (default: as the parameters)")
   ap.add_argument("--minibatch-rows", type=int, default=None)
   ap.add_argument("--microbatch-rows", type=int, default=None)
+  ap.add_argument("--logprob-microbatch-rows", type=int, default=None,
+                  help="rows per log-prob pass (default: as --microbatch-rows)")
+  ap.add_argument("--remat-policy", default=None, choices=tuple(REMAT_POLICIES),
+                  help="what the update's backward pass recomputes (default: the recipe's)")
   ap.add_argument("--logprob-chunk", type=int, default=None)
   ap.add_argument("--utilisation", type=float, default=0.4,
                   help="share of peak FLOP/s assumed for the second step time")
@@ -460,6 +465,8 @@ def main(argv=None) -> int:
   overrides = {k: v for k, v in dict(param_dtype=args.param_dtype,
                                      minibatch_rows=args.minibatch_rows,
                                      microbatch_rows=args.microbatch_rows,
+                                     logprob_microbatch_rows=args.logprob_microbatch_rows,
+                                     remat_policy=args.remat_policy,
                                      logprob_chunk=args.logprob_chunk).items() if v is not None}
   config = TrainConfig.from_recipe("verl-agent", **overrides)
   programs = [p.strip() for p in args.programs.split(",") if p.strip()]
@@ -468,13 +475,16 @@ def main(argv=None) -> int:
     ap.error(f"unknown programs {sorted(unknown)}; known: {PROGRAMS}")
   mesh = topology_mesh(args.topology, args.mesh, args.chip_config)
   data = int(mesh.shape["data"])
-  if config.microbatch_rows and (config.microbatch_rows % data
-                                 or config.minibatch_rows % config.microbatch_rows):
-    ap.error(f"--microbatch-rows must divide the mini-batch and be a multiple of the data "
-             f"axis ({data})")
+  try:
+    config.validate()
+  except ValueError as e:
+    ap.error(str(e))
+  for name in ("microbatch_rows", "logprob_microbatch_rows"):
+    if getattr(config, name) % data:  # as the trainer requires
+      ap.error(f"--{name.replace('_', '-')} must be a multiple of the data axis ({data})")
   ref_dtype = jnp.dtype(args.ref_dtype or config.param_dtype)
   shape = run_shape(config, mesh, args.prompt_len, ref_dtype)
-  model_config = PRESETS[args.model]
+  model_config = dataclasses.replace(PRESETS[args.model], remat_policy=config.remat_policy)
   if args.num_layers:
     model_config = dataclasses.replace(model_config, num_layers=args.num_layers)
   chip = chip_figures(mesh)
@@ -483,6 +493,8 @@ def main(argv=None) -> int:
         f"({mesh.devices.size} devices), mesh {args.mesh}; "
         f"params {config.param_dtype}, reference {ref_dtype.name}; mini-batch {shape.rows} rows "
         f"x {shape.seq_len} tokens, micro-batch {config.microbatch_rows or shape.rows} rows, "
+        f"log-prob pass {config.logprob_microbatch_rows or config.microbatch_rows or shape.rows} "
+        f"rows, remat {config.remat_policy}, "
         f"log-prob chunk {config.logprob_chunk}; sampler batch {shape.sampler_batch}, "
         f"cache {config.max_cache_len}", flush=True)
   reports = compile_update(shape, mesh, model_config,

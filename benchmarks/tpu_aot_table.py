@@ -17,7 +17,9 @@ can recompute the difference, which only a full-depth compile answers. A file wr
 Rows: per device, in GiB, `total` = resident + arguments + outputs not aliased + temporaries
 (the compiler's needed figure where it refused the program) at full depth, against the HBM the
 compiler allows a device; `basis` says whether the figure is compiled at full depth or carried
-from 1 and 2 layers.
+from 1 and 2 layers. `rows a pass / mini-batch`: the program's micro-batch (`microbatch_rows`
+for the update, `logprob_microbatch_rows` for the log-probs) and the mini-batch it covers; a
+program compiled with layer remat says so after its name.
 """
 
 from __future__ import annotations
@@ -34,11 +36,20 @@ GIB = 2**30
 
 
 def _key(d: dict, name: str) -> tuple:
+  """(model, slice, chip config, mesh, dtype, ref dtype, mini-batch rows, rows a pass of this
+  program, prompt, program label); the label names a remat policy and resident-state arguments."""
   c = d["config"]
+  rows_a_pass = c["microbatch_rows"]
+  if name == "logprobs":  # a file without the field: the log-probs ran the mini-batch at once
+    rows_a_pass = (c["logprob_microbatch_rows"] or rows_a_pass
+                   if "logprob_microbatch_rows" in c else 0)
+  label = name
+  if name and c.get("remat_policy", "none") != "none":
+    label += f" (remat {c['remat_policy']})"
+  if name and d.get("resident_as_args"):
+    label += " (state as args)"
   return (d["model"], d["topology"], d.get("chip_config"), d["mesh"], c["param_dtype"],
-          d["ref_dtype"], c["minibatch_rows"], c["microbatch_rows"], d.get("prompt_len", 2048),
-          name + (" (state as args)" if name and d.get("resident_as_args") else "") if name else
-          name)
+          d["ref_dtype"], c["minibatch_rows"], rows_a_pass, d.get("prompt_len", 2048), label)
 
 
 def _parts(p: dict) -> tuple[float, float, float, float]:
@@ -111,13 +122,13 @@ def rows(files: list[str]) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
   g = lambda x: f"{x / GIB:.2f}"  # noqa: E731
-  lines = ["| model | slice | mesh | params / ref | rows a pass | program | fits | state "
+  lines = ["| model | slice | mesh | params / ref | rows a pass / mini-batch | program | fits | state "
            "(params, AdamW, ref) | resident | args | out - alias | temp | total / allowed | "
            "basis |", "| " + " | ".join(["---"] * 14) + " |"]
   for r in table:
     st = r["state"]
     state = "-" if not st else f"{g(st['params'])}, {g(st['opt_state'])}, {g(st['ref_params'])}"
-    micro = r["micro"] or r["minibatch"] or "-"
+    micro = "-" if r["minibatch"] is None else f"{r['micro'] or r['minibatch']} / {r['minibatch']}"
     lines.append(
         f"| {r['model']} | {r['topology']} | {r['mesh']} | {r['dtype']} / {r['ref_dtype']} | "
         f"{micro} | {r['program']} | {'yes' if r['fits'] else 'NO'}"

@@ -1,4 +1,8 @@
-"""Gradient accumulation: one batch's loss and gradient, computed micro-batch by micro-batch.
+"""Micro-batching: one batch's loss and gradient, or its per-row outputs, computed micro-batch by
+micro-batch.
+
+  microbatched_value_and_grad(fun, n, weight_fn=...)  gradient accumulation over n micro-batches
+  microbatched_rows(fun, n)                           a per-row function in n sequential passes
 
 A PPO mini-batch of long agent trajectories may not fit in memory as one forward and backward
 pass, and even where it fits, smaller passes can be faster: on CPU a large batch's activations
@@ -7,6 +11,9 @@ are fresh pages every step, while a micro-batch's live set is small and reused i
 each micro-batch's loss and gradient are weighted by its share of the batch's aggregate (its
 tokens for a token mean, its live rows for a mean over sequences: `salt_jax.aggregate_weight`),
 as MaxText and newer verl weight by global token counts.
+
+`microbatched_rows` does the same for a forward pass (the log-prob phases): each pass's
+temporaries are freed before the next, so peak memory is one micro-batch's.
 
 Rows go to micro-batches round-robin (row r to micro-batch r % n), so rows split over the mesh's
 'data' axis in contiguous blocks stay spread over every device in each micro-batch.
@@ -47,6 +54,47 @@ def _split(batch, num_microbatches: int):
   return jax.tree.map(split, batch)
 
 
+def _unsplit(out, num_microbatches: int):
+  """The inverse of `_split`: every leaf [n, R / n, ...] -> [R, ...] in the original row order."""
+  def unsplit(x):
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[1] * num_microbatches, *x.shape[2:])
+  return jax.tree.map(unsplit, out)
+
+
+def _check_count(num_microbatches) -> int:
+  if not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool) \
+      or num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+  return int(num_microbatches)
+
+
+def microbatched_rows(fun: Callable, num_microbatches: int) -> Callable:
+  """`fun` over a batch's rows, run as `num_microbatches` sequential passes (`lax.map`).
+
+  Args:
+    fun: fun(params, batch, *args) -> a pytree of arrays [R', ...] with one leading row per row
+      of `batch` (R' = the rows `fun` was given), rows independent of each other (a forward pass).
+    num_microbatches: n >= 1; every leaf of `batch` is split on its leading (row) axis into n
+      micro-batches, as in `microbatched_value_and_grad`. 1 is `fun` itself.
+
+  Returns:
+    f(params, batch, *args) -> fun(params, batch, *args), row for row, with one micro-batch's
+    temporaries live at a time.
+
+  Raises (when f is called or traced):
+    ValueError: num_microbatches < 1, a scalar leaf, leaves with different row counts, or rows
+      not divisible by num_microbatches.
+  """
+  n = _check_count(num_microbatches)
+  if n == 1:
+    return fun
+
+  def f(params, batch, *args):
+    return _unsplit(jax.lax.map(lambda mb: fun(params, mb, *args), _split(batch, n)), n)
+
+  return f
+
+
 def microbatched_value_and_grad(fun: Callable, num_microbatches: int, *,
                                 weight_fn: Callable, aux_weight_fn: Callable | None = None,
                                 has_aux: bool = False) -> Callable:
@@ -75,10 +123,7 @@ def microbatched_value_and_grad(fun: Callable, num_microbatches: int, *,
     ValueError: num_microbatches < 1, a scalar leaf, leaves with different row counts, or rows
       not divisible by num_microbatches.
   """
-  if not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool) \
-      or num_microbatches < 1:
-    raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
-  n = int(num_microbatches)
+  n = _check_count(num_microbatches)
   aux_weight_fn = weight_fn if aux_weight_fn is None else aux_weight_fn
   grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
   if n == 1:

@@ -144,6 +144,14 @@ class UpdateConfig:
   microbatch_rows: int = _field(0, "rows per forward/backward pass, gradients accumulated over "
                                 "the mini-batch (0: all at once); a multiple of the mesh's data "
                                 "axis")
+  logprob_microbatch_rows: int = _field(0, "rows per pass of the old and reference log-prob "
+                                        "programs (a forward pass keeps no activations for a "
+                                        "backward one, so it can take more rows than "
+                                        "microbatch_rows); 0: as microbatch_rows; a multiple of "
+                                        "the mesh's data axis")
+  remat_policy: str = _field("none", "what the update's backward pass recomputes: a name in "
+                             "salt_jax.models.REMAT_POLICIES (full: each decoder layer's "
+                             "activations, keeping only its input)")
   min_seq_len: int = _field(64, "shortest padded row length")
   logprob_chunk: int = _field(256, "vocabulary projection chunk (tokens)")
 
@@ -201,7 +209,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     from salt_jax.advantages import ESTIMATORS
     from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
     from salt_jax.metrics import TRACKERS
-    from salt_jax.models.config import ATTENTION_IMPLS
+    from salt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
     from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
     from salt_jax.sharding import parse_mesh_shape
 
@@ -226,6 +234,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("loss_agg", LOSS_AGG_MODES)
     one_of("param_dtype", PARAM_DTYPES)
     one_of("attention_impl", (None, *ATTENTION_IMPLS))
+    one_of("remat_policy", REMAT_POLICIES)
     one_of("invalid_step", INVALID_STEP_MODES)
     one_of("penalty_scope", PENALTY_SCOPES)
     one_of("group_stats", GROUP_STATS)
@@ -234,13 +243,18 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
                  "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
                  "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):
       pos_int(name)
-    for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows"):
+    for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows",
+                 "logprob_microbatch_rows"):
       pos_int(name, 0)
     need(self.group_size >= 2,
          f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
          "own group, so every advantage is 0 and nothing is learned; use group_size >= 2")
     need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
          f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
+         f"({self.minibatch_rows})")
+    need(self.logprob_microbatch_rows == 0
+         or self.minibatch_rows % self.logprob_microbatch_rows == 0,
+         f"logprob_microbatch_rows ({self.logprob_microbatch_rows}) must divide minibatch_rows "
          f"({self.minibatch_rows})")
     need(self.max_cache_len > self.max_new_tokens + 16,
          f"max_cache_len ({self.max_cache_len}) must exceed max_new_tokens "

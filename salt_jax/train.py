@@ -228,9 +228,10 @@ class Trainer:
         *parse_mesh_shape(config.mesh))
     self.mesh = make_mesh(config.mesh, devices)  # an unformable mesh fails here, before any work
     self.data_size = int(self.mesh.shape[DATA_AXIS])
-    if config.microbatch_rows % self.data_size:
-      raise ValueError(f"microbatch_rows ({config.microbatch_rows}) must be a multiple of the "
-                       f"mesh's data axis ({self.data_size}): each micro-batch is split over it")
+    for name in ("microbatch_rows", "logprob_microbatch_rows"):
+      if getattr(config, name) % self.data_size:
+        raise ValueError(f"{name} ({getattr(config, name)}) must be a multiple of the mesh's "
+                         f"data axis ({self.data_size}): each micro-batch is split over it")
     self.checkpoints = checkpoint.RunCheckpoints(config, self.mesh)
     self.checkpoints.check_start()  # a new run over old checkpoints, or a changed resume: refused
     self._pool = None

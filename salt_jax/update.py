@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from salt_jax.accumulate import microbatched_value_and_grad
+from salt_jax.accumulate import microbatched_rows, microbatched_value_and_grad
 from salt_jax.advantages import ESTIMATORS
 from salt_jax.config import TrainConfig
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
@@ -87,16 +87,26 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
 
   Returns (logprobs, train_step):
     logprobs(params, input_ids, targets, attention_mask, positions) -> f32[rows, L] token
-      log-probs (the old and reference log-prob phases).
+      log-probs (the old and reference log-prob phases), in sequential passes of
+      `config.logprob_microbatch_rows` rows (default `config.microbatch_rows`; 0: all at once).
     train_step(params, opt_state, mb, step_adv) -> (params, opt_state, metrics): one PPO-clip
       step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl. ref_logprobs),
       micro-batched per `config.microbatch_rows`; params and opt_state are donated and come back
       on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite loss or
       gradient leaves both unchanged and sets metrics['skipped'].
   """
-  def logprobs(params, ids, tg, am, pos):
-    return token_logprobs(nnx.merge(graphdef, params), ids, tg, am, positions=pos,
+  def batch_logprobs(params, mb):
+    return token_logprobs(nnx.merge(graphdef, params), mb["input_ids"], mb["targets"],
+                          mb["attention_mask"], positions=mb["positions"],
                           chunk_size=config.logprob_chunk)
+
+  logprob_rows = config.logprob_microbatch_rows or config.microbatch_rows
+  logprobs_in_passes = microbatched_rows(batch_logprobs, rows // logprob_rows if logprob_rows
+                                         else 1)
+
+  def logprobs(params, ids, tg, am, pos):
+    return logprobs_in_passes(params, dict(input_ids=ids, targets=tg, attention_mask=am,
+                                           positions=pos))
 
   def loss_fn(p, mb, step_adv):
     model = nnx.merge(graphdef, p)

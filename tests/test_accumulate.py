@@ -1,4 +1,5 @@
-"""salt_jax.microbatched_value_and_grad and aggregate_weight against numpy references."""
+"""salt_jax.microbatched_value_and_grad, accumulate.microbatched_rows and aggregate_weight against
+numpy references."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import salt_jax
+from salt_jax.accumulate import microbatched_rows
 from salt_jax.loss import LOSS_AGG_MODES
 from salt_jax.sharding import DATA_AXIS, make_mesh
 
@@ -126,6 +128,22 @@ def test_nan_reaches_the_result_only_from_a_micro_batch_with_weight():
 def test_bad_microbatch_counts(n, match):
   with pytest.raises(ValueError, match=match):
     salt_jax.microbatched_value_and_grad(lambda p, b: 0.0, n, weight_fn=lambda mb: 1.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_microbatched_rows_gives_every_row_in_its_place(n):
+  def per_row(p, b, scale):  # rows independent: [R, T] and [R]
+    r = jnp.einsum("rtd,d->rt", b["x"], p["w"]) * scale
+    return dict(r=r, total=jnp.sum(r * b["mask"], axis=1))
+  batch = _batch()
+  want = per_row(PARAMS, batch, 2.0)
+  got = jax.jit(microbatched_rows(per_row, n))(PARAMS, batch, 2.0)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, want)
+  with pytest.raises(ValueError, match="num_microbatches"):
+    microbatched_rows(per_row, 0)
+  if n > 1:
+    with pytest.raises(ValueError, match=f"do not split into {n}"):
+      microbatched_rows(per_row, n)(PARAMS, _batch(rows=R + 1), 2.0)
 
 
 def test_bad_batches_are_named():

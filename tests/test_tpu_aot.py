@@ -128,7 +128,7 @@ def test_table_carries_shallow_compiles_to_full_depth(tmp_path):
   assert row["basis"] == "carried from 1 and 2 layers" and row["state"] == state
   assert row["total"] == pytest.approx((2.8 + 1 + 30) * tpu_aot.GIB)  # 28 layers
   assert not row["fits"]
-  assert "| qwen2.5-7b | v4:2x2x1 | 4x2 | bfloat16 / bfloat16 | 4 | update | NO |" in (
+  assert "| qwen2.5-7b | v4:2x2x1 | 4x2 | bfloat16 / bfloat16 | 4 / 256 | update | NO |" in (
       tpu_aot_table.markdown([row]))
 
 

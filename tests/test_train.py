@@ -515,6 +515,10 @@ def test_nan_guard_skips_the_update(run_a):
     (dict(microbatch_rows=3), "must divide minibatch_rows"),
     (dict(microbatch_rows=-1), "microbatch_rows"),
     (dict(mesh="4x2", microbatch_rows=2), "multiple of the mesh's data axis"),
+    (dict(logprob_microbatch_rows=3), r"logprob_microbatch_rows \(3\) must divide"),
+    (dict(mesh="4x2", logprob_microbatch_rows=2), "logprob_microbatch_rows .* multiple of the "
+                                                   "mesh's data axis"),
+    (dict(remat_policy="layers"), "unknown remat_policy"),
 ])
 def test_bad_flags_fail_before_any_work(change, match, tmp_path):
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "x"), **change)

@@ -1,6 +1,7 @@
 """Policy models: a Flax NNX Qwen2 / Llama decoder, Hugging Face loading, sharding rules."""
 
-from salt_jax.models.config import ATTENTION_IMPLS, ModelConfig, default_attention_impl
+from salt_jax.models.config import (ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig,
+                                    default_attention_impl)
 from salt_jax.models.loading import (from_pretrained, load_state_dict, param_shardings,
                                      random_state_dict, save_pretrained)
 from salt_jax.models.partitioning import ShardingRules, shard_model
@@ -11,6 +12,7 @@ __all__ = [
     "CausalLM",
     "KVCache",
     "ModelConfig",
+    "REMAT_POLICIES",
     "ShardingRules",
     "default_attention_impl",
     "from_pretrained",

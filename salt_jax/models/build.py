@@ -83,13 +83,15 @@ def policy_config(config: TrainConfig, tokenizer) -> tuple[ModelConfig, jnp.dtyp
   if config.model is not None:
     with open(os.path.join(config.model, "config.json"), encoding="utf-8") as f:
       mcfg = ModelConfig.from_hf_dict(json.load(f))
-    return (dataclasses.replace(mcfg, attention_impl=config.attention_impl),
+    return (dataclasses.replace(mcfg, attention_impl=config.attention_impl,
+                                remat_policy=config.remat_policy),
             jnp.dtype(config.param_dtype))
   vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad their embedding
   fields = {**TINY_POLICY, **config.tiny_policy}
   eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
   return ModelConfig(vocab_size=vocab, eos_token_id=eos, max_position_embeddings=config.max_cache_len,
-                     attention_impl=config.attention_impl, **fields), jnp.dtype("float32")
+                     attention_impl=config.attention_impl, remat_policy=config.remat_policy,
+                     **fields), jnp.dtype("float32")
 
 
 def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
@@ -98,7 +100,8 @@ def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
     # float32 by default whatever the checkpoint holds: AdamW steps of ~1e-6 on bf16 weights
     # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.
     return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype),
-                           attention_impl=config.attention_impl)
+                           attention_impl=config.attention_impl,
+                           remat_policy=config.remat_policy)
   mcfg, _ = policy_config(config, tokenizer)
   return shard_model(CausalLM(mcfg, rngs=nnx.Rngs(config.seed)), mesh)
 

@@ -5,8 +5,9 @@ Llama / SmolLM2 do not) and in config.json defaults. The config is frozen and ha
 sit on a module as static data and key jit caches.
 
 Besides the architecture, the config names the attention implementation (`attention_impl`, one of
-`ATTENTION_IMPLS`): which XLA program computes the same attention. It is not part of config.json;
-`default_attention_impl` is the one place that picks it from the machine.
+`ATTENTION_IMPLS`): which XLA program computes the same attention, and the remat policy
+(`remat_policy`, one of `REMAT_POLICIES`): what the backward pass recomputes. Neither is part of
+config.json; `default_attention_impl` is the one place that picks the first from the machine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ ATTENTION_IMPLS: Mapping[str, str] = {
     "cpu_chunked_sum": "as 'cpu_chunked', but a decode step's attention as multiply-and-sum "
                        "along contiguous axes, and the sampler decodes a few rows with Eigen "
                        "dots instead of YNNPACK (CPUs without AVX-512)",
+}
+
+# Remat policy name -> what a differentiated forward pass (`hidden_states` under jax.grad) keeps
+# for the backward pass; names as MaxText's `remat_policy`. A forward pass alone is unchanged.
+REMAT_POLICIES: Mapping[str, str] = {
+    "none": "every decoder layer's activations (attention scores included): no recomputation",
+    "full": "each decoder layer's input only; the backward pass recomputes the layer's forward, "
+            "so one layer's activations are live at a time",
 }
 
 
@@ -70,6 +79,8 @@ class ModelConfig:
     model_type: 'qwen2' or 'llama'; only decides the config.json written by `to_hf_dict`.
     attention_impl: one of `ATTENTION_IMPLS`; None: `default_attention_impl()`, picked when a
       `CausalLM` is built. Not written to config.json (`to_hf_dict`), not read from it.
+    remat_policy: one of `REMAT_POLICIES`; what training's backward pass recomputes instead of
+      storing. Not written to config.json, not read from it.
   """
 
   vocab_size: int
@@ -88,6 +99,7 @@ class ModelConfig:
   eos_token_id: int | tuple[int, ...] | None = None
   model_type: str = "qwen2"
   attention_impl: str | None = None
+  remat_policy: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -110,6 +122,9 @@ class ModelConfig:
     if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl must be one of {tuple(ATTENTION_IMPLS)} (or None for "
                        f"the machine's default), got {self.attention_impl!r}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, "
+                       f"got {self.remat_policy!r}")
     if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 

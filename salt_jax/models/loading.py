@@ -270,7 +270,8 @@ def _config_dtype(hf: Mapping[str, Any]):
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
                     rules: ShardingRules | None = None,
-                    attention_impl: str | None = None) -> CausalLM:
+                    attention_impl: str | None = None,
+                    remat_policy: str = "none") -> CausalLM:
   """Loads a local Hugging Face Qwen2 / Llama checkpoint folder into a `CausalLM`.
 
   The folder holds config.json and one `*.safetensors` file or several with
@@ -284,6 +285,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
     mesh: shard parameters over this ('data', 'model') mesh; None: first device.
     rules: PartitionSpecs to use instead of the defaults.
     attention_impl: one of `ATTENTION_IMPLS` (not in config.json); None: the machine's default.
+    remat_policy: one of `REMAT_POLICIES` (not in config.json).
 
   Returns:
     The model; its ModelConfig is `model.config`.
@@ -300,7 +302,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
     raise ValueError(f"{path} has no config.json")
   with open(config_path) as fh:
     hf_config = json.load(fh)
-  config = dataclasses.replace(ModelConfig.from_hf_dict(hf_config), attention_impl=attention_impl)
+  config = dataclasses.replace(ModelConfig.from_hf_dict(hf_config), attention_impl=attention_impl,
+                               remat_policy=remat_policy)
   if dtype is None:
     dtype = _config_dtype(hf_config)
   files = _checkpoint_files(path)

@@ -267,6 +267,14 @@ class DecoderLayer(nnx.Module):
     self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
     self.mlp = MLP(config, rngs=rngs, **kw)
 
+  def __call__(self, x, cos, sin, attn_mask, shard: ActivationSharding):
+    """The full forward's layer: x dtype[B, T, D] -> the same, attending causally under
+    attn_mask bool[B, T, T]."""
+    q, k, v = self.attn.project(self.input_norm(x), cos, sin, shard)
+    k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # as `attend` takes them
+    x = shard(x + self.attn.attend(q, k, v, attn_mask, shard, causal=True), "act_btd")
+    return shard(x + self.mlp(self.post_norm(x), shard), "act_btd")
+
 
 class CausalLM(nnx.Module):
   """Qwen2 / Llama decoder with an output head.
@@ -355,11 +363,12 @@ class CausalLM(nnx.Module):
     cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
     shard = self.activation_sharding
     x = self._embed(ids)
+    run_layer = lambda layer, *args: layer(*args, shard)  # noqa: E731
+    if self.config.remat_policy == "full":
+      # Under jax.grad only each layer's input is kept; the backward pass reruns the layer.
+      run_layer = nnx.remat(run_layer)
     for layer in self.layers:
-      q, k, v = layer.attn.project(layer.input_norm(x), cos, sin, shard)
-      k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # as `attend` takes them
-      x = shard(x + layer.attn.attend(q, k, v, attn_mask, shard, causal=True), "act_btd")
-      x = shard(x + layer.mlp(layer.post_norm(x), shard), "act_btd")
+      x = run_layer(layer, x, cos, sin, attn_mask)
     return self.final_norm(x)
 
   def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
