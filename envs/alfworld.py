@@ -280,12 +280,14 @@ _MEMO_INSTALLED = False
 
 
 def install_parse_memo() -> bool:
-  """Memoizes TextWorld's grammar and query parsing (3 to 4x faster ALFWorld loads and steps).
+  """Memoizes TextWorld's grammar and query parsing (3 to 4x faster ALFWorld loads and steps)
+  and fast-downward's translation of a game's problem (4x faster resets of a game played before).
 
   TextWorld's PDDL text engine re-parses, with tatsu, the same few hundred grammar strings and
   fact queries for every admissible command of every step. Both parses are pure functions of
   their text: `textgen._parse_and_convert` results are cached and deep-copied on each use (its
   symbols get mutated), `Rule.parse_conjunctive_query` results are cached and shared (read only).
+  The translation, also a function of its text, is `_translation_memo`'s.
   Observations and admissible lists are unchanged (tests/test_alfworld.py replays both ways).
   Process-wide and idempotent; returns False (no change) where textworld's internals differ.
   """
@@ -297,6 +299,11 @@ def install_parse_memo() -> bool:
   from textworld.logic import Rule  # pylint: disable=import-outside-toplevel
   parse = getattr(textgen, "_parse_and_convert", None)
   query = getattr(Rule, "parse_conjunctive_query", None)
+  try:
+    from textworld.envs.pddl import logic as pddl_logic  # pylint: disable=import-outside-toplevel
+    translate = pddl_logic.fast_downward.pddl2sas
+  except (ImportError, AttributeError):
+    pddl_logic = translate = None
   if parse is None or query is None:
     return False
 
@@ -312,8 +319,31 @@ def install_parse_memo() -> bool:
   query_cached = functools.lru_cache(maxsize=1 << 16)(query.__func__)
   textgen._parse_and_convert = parse_memo  # pylint: disable=protected-access
   Rule.parse_conjunctive_query = classmethod(lambda cls, expr: query_cached(cls, expr))
+  if pddl_logic is not None and translate is not None:
+    pddl_logic.fast_downward.pddl2sas = _translation_memo(translate)
   _MEMO_INSTALLED = True
   return True
+
+
+def _translation_memo(translate):
+  """fast-downward's PDDL-to-SAS translation (`pddl2sas(domain, problem, **options)`), memoized.
+
+  `PddlState` translates its game's problem twice (plain and `optimize=True`) at every reset,
+  about 0.4 s of a 0.5 s reset, though a game's text never changes. The SAS text is a string;
+  the parsed task is deep-copied on each use (its objects are the new state's own to change).
+  """
+  import copy  # pylint: disable=import-outside-toplevel
+
+  @functools.lru_cache(maxsize=64)
+  def cached(domain, problem, options):
+    return translate(domain, problem, **dict(options))
+
+  def pddl2sas(domain, problem, **options):
+    task, sas = cached(domain, problem, tuple(sorted(options.items())))
+    return copy.deepcopy(task), sas
+
+  pddl2sas.cache_info = cached.cache_info
+  return pddl2sas
 
 
 def _fresh_state_pddl_env():

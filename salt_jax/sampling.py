@@ -147,7 +147,8 @@ _FEW_ROWS = 32
 
 def _few_rows_compiler_options(attention_impl: str | None) -> dict | None:
   """XLA options for decoding a few rows: plain (Eigen) dots instead of YNNPACK fusions under
-  'cpu_chunked_sum' (the AVX2-only CPU choice, `salt_jax.models.ATTENTION_IMPLS`), else none.
+  'cpu_chunked_sum' (a choice for some AVX2-only CPUs, `salt_jax.models.ATTENTION_IMPLS`), else
+  none.
 
   A decode step multiplies a few rows by every weight matrix, streamed from L3; there Eigen's dots
   beat YNNPACK's on AVX2-only CPUs, while YNNPACK wins from 64 rows up and at every batch size

@@ -208,6 +208,45 @@ def test_seeded_replays_are_identical(root):
   assert runs[0] == runs[1] and len(runs[0]) == 9
 
 
+def test_a_game_reset_again_replays_identically_from_the_translation_memo(root):
+  """The second reset of a loaded game builds its state from the memoized translation."""
+  from textworld.envs.pddl import logic as pddl_logic  # pylint: disable=import-outside-toplevel
+  env = alf.AlfWorldEnv(data_dir=str(root), max_steps=8)
+  task = _task(root, SMALL_UNSEEN)
+  runs = []
+  for _ in range(3):
+    rng = random.Random(5)
+    step = env.reset(task)
+    hits = pddl_logic.fast_downward.pddl2sas.cache_info().hits
+    obs = [step.observation, step.admissible_actions]
+    while not step.done:
+      step = env.step(rng.choice(step.admissible_actions))
+      obs.append((step.observation, step.admissible_actions, step.reward, step.won))
+    runs.append((obs, hits))
+  env.close()
+  assert runs[0][0] == runs[1][0] == runs[2][0] and len(runs[0][0]) == 10
+  assert runs[2][1] >= runs[1][1] + 2  # both translations of the third reset came from the memo
+
+
+def test_translation_memo_translates_each_text_once_and_hands_out_copies():
+  calls = []
+
+  def translate(domain, problem, **options):
+    calls.append((domain, problem, options))
+    return {"objects": [problem]}, f"sas:{problem}:{sorted(options.items())}"
+
+  memo = alf._translation_memo(translate)  # pylint: disable=protected-access
+  task, sas = memo("d", "p1", verbose=False)
+  task["objects"].append("changed by the state")
+  again, sas_again = memo("d", "p1", verbose=False)
+  assert again == {"objects": ["p1"]} and sas_again == sas
+  assert memo("d", "p1", verbose=False, optimize=True)[1] != sas
+  memo("d", "p2", verbose=False)
+  assert calls == [("d", "p1", {"verbose": False}),
+                   ("d", "p1", {"verbose": False, "optimize": True}),
+                   ("d", "p2", {"verbose": False})]
+
+
 def test_episode_ends_after_max_steps(root):
   env = alf.AlfWorldEnv(data_dir=str(root), max_steps=3)
   env.reset(_task(root, SMALL_UNSEEN))

@@ -2,8 +2,8 @@
 
 Read from the source with `ast`, so nothing is imported: every `import` statement counts, at module
 level or inside a function (a function-level import that closes a cycle only defers it to run
-time). An edge goes to the module a statement names: `from salt_jax import hostcpu` is an edge to
-`salt_jax.hostcpu`, and `from salt_jax import refine` one to the package `salt_jax`. The implicit
+time). An edge goes to the module a statement names: `from salt_jax import sampling` is an edge to
+`salt_jax.sampling`, and `from salt_jax import refine` one to the package `salt_jax`. The implicit
 import of a module's parent package is not an edge: every package imports its own submodules.
 
 `python tests/test_imports.py` prints every cycle.

@@ -105,25 +105,28 @@ def test_greedy_is_argmax_of_full_forward_and_logprobs_match(setup):
     assert reason == "eos" or len(toks) == MAX_NEW
 
 
-@pytest.mark.parametrize("avx512", [False, True])
-def test_both_cpu_decode_paths_match_the_full_forward(setup, avx512, monkeypatch):
-  """The CPU's attention implementation follows its instruction set (`salt_jax.hostcpu`): without
-  AVX-512, Eigen dots and multiply-and-sum attention; with it, YNNPACK and batched attention dots.
-  Whichever CPU runs the tests, both paths give the full forward's greedy tokens and log-probs."""
+def test_the_default_attention_is_cpu_chunked_on_a_cpu():
+  from salt_jax.models import default_attention_impl
+  assert default_attention_impl() == ("cpu_chunked" if jax.default_backend() == "cpu"
+                                      else "batched")
+
+
+@pytest.mark.parametrize("impl", ["cpu_chunked", "cpu_chunked_sum"])
+def test_both_cpu_decode_paths_match_the_full_forward(setup, impl):
+  """Batched attention dots with YNNPACK ('cpu_chunked', the default) and multiply-and-sum
+  attention with Eigen dots ('cpu_chunked_sum') both give the full forward's greedy tokens and
+  log-probs, whichever CPU runs the tests."""
   import dataclasses
 
-  from salt_jax import hostcpu
-  from salt_jax.models import default_attention_impl
   model, sampler, _, _, _ = setup
-  monkeypatch.setattr(hostcpu, "has_avx512", lambda: avx512)
-  impl = default_attention_impl()
   on_cpu = jax.default_backend() == "cpu"
-  assert impl == ("batched" if not on_cpu else "cpu_chunked" if avx512 else "cpu_chunked_sum")
-  assert (sampling._few_rows_compiler_options(impl) is None) == (avx512 or not on_cpu)
+  assert (sampling._few_rows_compiler_options(impl) is None) == (impl == "cpu_chunked")
   config = dataclasses.replace(CONFIG, attention_impl=impl)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
   this_cpu = nnx.merge(graphdef, nnx.state(model))
   assert this_cpu.config.attention_impl == impl
+  if not on_cpu:
+    pytest.skip("the CPU programs")
   fresh = Sampler(this_cpu, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD,
                   max_cache_len=CACHE, prompt_buckets=(8,), batch_buckets=(4,))
   out = fresh(PROMPTS, jax.random.key(0), max_new_tokens=MAX_NEW, greedy=True)
@@ -138,25 +141,6 @@ def test_doubling_buckets():
   assert sampling.doubling_buckets(16, 127) == [16, 32, 64]
   assert sampling.doubling_buckets(16, 8) == [16]  # the shortest even past the longest
   assert sampling.doubling_buckets(3, 3) == [3]
-
-
-def test_has_avx512_reads_the_cpu_flags(tmp_path, monkeypatch):
-  from salt_jax import hostcpu
-  real_open = open
-  for text, want in (("flags\t: fpu avx2 avx512f avx512bw\n", True),
-                     ("flags\t: fpu avx2 avx512_bf16\n", False),  # a relative, not AVX-512F
-                     ("processor\t: 0\n", False)):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(text)
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
-        cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
-    hostcpu.has_avx512.cache_clear()
-    assert hostcpu.has_avx512() is want, text
-  monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("none")))
-  hostcpu.has_avx512.cache_clear()
-  assert hostcpu.has_avx512() is False  # unreadable: the AVX2 choices, which are safe anywhere
-  monkeypatch.undo()
-  hostcpu.has_avx512.cache_clear()
 
 
 def test_eos_stops_the_row_and_the_loop_exits_early(setup):

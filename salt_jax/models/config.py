@@ -24,10 +24,10 @@ ATTENTION_IMPLS: Mapping[str, str] = {
     "batched": "each product as one batched dot over the whole batch and the whole causal "
                "square (accelerators)",
     "cpu_chunked": "on one CPU device, a few batch rows and causal query blocks at a time so "
-                   "scores stay in cache; decode steps as batched dots (CPUs with AVX-512)",
+                   "scores stay in cache; decode steps as batched dots (the CPU default)",
     "cpu_chunked_sum": "as 'cpu_chunked', but a decode step's attention as multiply-and-sum "
                        "along contiguous axes, and the sampler decodes a few rows with Eigen "
-                       "dots instead of YNNPACK (CPUs without AVX-512)",
+                       "dots instead of YNNPACK (faster on some AVX2-only CPUs at short caches)",
 }
 
 # Remat policy name -> what a differentiated forward pass (`hidden_states` under jax.grad) keeps
@@ -40,21 +40,20 @@ REMAT_POLICIES: Mapping[str, str] = {
 
 
 def default_attention_impl(mesh=None) -> str:
-  """The attention implementation for the machine a model runs on.
+  """The attention implementation for the machine a model runs on: 'batched' on an accelerator,
+  'cpu_chunked' on a CPU.
 
   The platform is that of `mesh`'s devices when given (a TPU topology compiled ahead of time on a
-  CPU host), else the default backend's. On CPU, the choice follows the host's instruction set
-  (`salt_jax.hostcpu.has_avx512`): YNNPACK's batched dots use AVX-512 kernels where the CPU has
-  them, and Eigen's fixed-ISA dots and multiply-and-sum serve AVX2-only CPUs.
+  CPU host), else the default backend's. 'cpu_chunked_sum' is never the default: its decode-step
+  multiply-and-sum materializes every (key slot, head dim) product, which on an AVX2-only AMD
+  EPYC ran 1.5x (96 cache slots) to 5x (1,024 slots) slower than the batched dots, and it decoded
+  the starter policy 5x slower (docs/performance.md); it remains a choice for CPUs where it was
+  measured faster.
   """
   import jax  # pylint: disable=import-outside-toplevel  (keeps config.json parsing jax-free)
 
-  from salt_jax import hostcpu  # pylint: disable=import-outside-toplevel
-
   platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-  if platform != "cpu":
-    return "batched"
-  return "cpu_chunked" if hostcpu.has_avx512() else "cpu_chunked_sum"
+  return "batched" if platform != "cpu" else "cpu_chunked"
 
 
 @dataclasses.dataclass(frozen=True)

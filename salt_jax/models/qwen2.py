@@ -41,7 +41,7 @@ class KVCache(NamedTuple):
   Heads before slots, so attention reads each (row, kv head)'s block as it lies (with
   [B, S, K, H], XLA:CPU transposed the whole cache at every decode step). Keys put the slots last
   so that both products run along a contiguous slot or head axis: q.K as [G, H] x [H, S], p.V as
-  [G, S] x [S, H]. A decode step on an AVX2-only CPU computes them as multiply-and-sum over the
+  [G, S] x [S, H]. 'cpu_chunked_sum' computes a decode step's as multiply-and-sum over the
   contiguous axis (see `Attention._attend_rows`); with [S, H] keys that reduction would be strided.
   One buffer per layer, so a layer reads its keys in place (slicing one [layers, ...] buffer
   copied them).
@@ -219,8 +219,8 @@ class Attention(nnx.Module):
     # Queries of one kv head side by side, [B, K, G*T, H]: one plain batched matmul per (row,
     # kv head), which XLA:CPU runs faster than a 5-d einsum (prefill and decode).
     qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
-    # Multiply-and-sum along the contiguous H (keys) and S (values) axes: on AVX2-only CPUs a
-    # decode step's B*K products of [G, H] x [H, S] are too small for Eigen's batched dot.
+    # Multiply-and-sum along the contiguous H (keys) and S (values) axes: on some AVX2-only CPUs
+    # a decode step's B*K products of [G, H] x [H, S] are too small for Eigen's batched dot.
     by_sum = t == 1 and self.impl == "cpu_chunked_sum"
     if by_sum:
       scores = jnp.sum(qg[..., None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32),
