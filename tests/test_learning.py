@@ -21,11 +21,10 @@ points of its start, and with the 0.1 penalty (lr 1e-3) a run fell to 0.
 
 The slow cases start from one grounded clone (`learning_check.GROUNDED`: epsilon 0.7, 600
 cloning steps, so it copies exits out of the prompt; sampled success 0.50) and vary RL's seed
-alone, at lr 3e-4, 12 iterations, 128-episode measurements. Each must rise by 10 points; measured
-through the driver under the tests' 8 devices (docs/study.md, "What caps the level"): +17 to +20
-under GRPO, +13 to +23 under GRPO+SALT. Not the issue's +20 on every run: 20 iterations gave +18
-to +23 (success levels off near 0.7); the 150-step clones level off near 0.45 because they do
-not read the exits' names.
+alone, at lr 3e-4, 30 iterations, 128-episode measurements. Each must rise by the issue's 20
+points; measured through the driver under the tests' 8 devices (docs/study.md, "Thirty
+iterations"): +26.5 to +37.5 under GRPO, +30.5 to +32 under GRPO+SALT (about 4 minutes a run).
+After 12 and 20 iterations some runs were still under +20 (+12.5 to +27).
 """
 
 import os
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import learning_check  # pylint: disable=wrong-import-position
 
-SLOW_RISE = 0.10
+SLOW_RISE = 0.20
 FAST_RISE = 0.08
 FAST = learning_check.Check(iters=6)
 
@@ -63,7 +62,7 @@ def grounded_start(tmp_path_factory):
 @pytest.mark.parametrize("salt", [False, True], ids=["grpo", "grpo+salt"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_rl_raises_success_on_every_seed(tmp_path, grounded_start, seed, salt):
-  """3 RL seeds x {GRPO, GRPO+SALT}, 12 iterations each from one grounded warm start: at least
+  """3 RL seeds x {GRPO, GRPO+SALT}, 30 iterations each from one grounded warm start: at least
   SLOW_RISE of sampled success on the training tasks (figures shown with -rP)."""
   run = learning_check.learning_run(learning_check.GROUNDED, seed=seed, salt=salt,
                                     workdir=str(tmp_path), init=grounded_start)
