@@ -62,8 +62,8 @@ class EnvConfig:
 class PolicyConfig:
   """The policy and its tokenizer."""
 
-  model: Optional[str] = _field(None, "a local Hugging Face Qwen2/Llama folder (default: a tiny "
-                                "random-init Qwen2, TINY_POLICY)")
+  model: Optional[str] = _field(None, "a local Hugging Face Qwen2/Llama folder or a .gguf file "
+                                "(default: a tiny random-init Qwen2, TINY_POLICY)")
   tokenizer: str = _field("qwen25", "qwen25 (offline Qwen2.5), toy, or a local folder (a --model "
                           "folder brings its own)")
   tiny_policy: dict = _field({}, "overrides of the tiny policy's architecture (JSON)")
@@ -210,6 +210,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
     from salt_jax.metrics import TRACKERS
     from salt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+    from salt_jax.models.gguf import is_gguf_file
     from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
     from salt_jax.sharding import parse_mesh_shape
 
@@ -281,8 +282,9 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     need(not (self.layout == "trajectory" and self.prompt_history is not None),
          "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
          "use layout='step' with a prompt_history")
-    need(self.model is None or os.path.isdir(self.model),
-         f"--model {self.model!r} is not a local folder (Hugging Face hub ids are not fetched)")
+    need(self.model is None or os.path.isdir(self.model) or is_gguf_file(self.model),
+         f"--model {self.model!r} is not a local folder or .gguf file (Hugging Face hub ids "
+         "are not fetched)")
     need(self.init_params is None or os.path.isdir(self.init_params),
          f"init_params {self.init_params!r} is not a folder")
     need(self.model is not None or self.tokenizer in ("qwen25", "toy")

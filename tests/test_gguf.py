@@ -244,6 +244,43 @@ def test_loads_into_our_model(tiny_file):
   np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_from_pretrained_reads_a_gguf_file(tiny_file):
+  from salt_jax.models import ModelConfig, from_pretrained, load_state_dict
+  _, _, path, _, _ = tiny_file
+  config, tensors = gg.load_gguf_state_dict(path)
+  ref = load_state_dict(ModelConfig.from_hf_dict(config), tensors)
+  model = from_pretrained(path, attention_impl="cpu_chunked")
+  assert gg.is_gguf_file(path) and gg.is_gguf_file(str(path))
+  assert model.config.attention_impl == "cpu_chunked"
+  ids = np.random.default_rng(1).integers(0, config["vocab_size"], size=(2, 9))
+  np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))
+
+
+def test_the_trainer_takes_a_gguf_file_as_its_model(tmp_path):
+  """--model a.gguf: the file's weights and its own tokenizer (chat template included) play one
+  iteration; a path that is no .gguf file or folder is refused up front."""
+  import dataclasses
+
+  from salt_jax.config import TrainConfig
+  from salt_jax.train import Trainer
+  path = tmp_path / "policy.gguf"
+  write_tiny_gguf(path, "qwen2")
+  cfg = TrainConfig(model=str(path), env="toy", group_size=2, tasks_per_iter=2, max_steps=2,
+                    max_new_tokens=8, max_cache_len=2048, minibatch_rows=8, iters=1,
+                    out=str(tmp_path / "run"), progress=False, tensorboard=False, lr=1e-3,
+                    env_workers=0)
+  with Trainer(cfg) as trainer:
+    trainer.setup()
+    assert len(trainer.tokenizer) == len(tiny_vocab()) and trainer.tokenizer.chat_template == CHAT
+    assert (trainer.model.config.num_layers, trainer.model.config.hidden_size) == (2, 64)
+    row = trainer.iteration()
+  assert row["num_trajectories"] == 4 and row["failed_trajectories"] == 0, row
+  assert row["num_steps"] >= 4 and row["response_tokens"] > 0, row
+  for bad in (tmp_path / "missing.gguf", tmp_path / "run" / "config.json"):
+    with pytest.raises(ValueError, match="local folder or .gguf file"):
+      dataclasses.replace(cfg, model=str(bad)).validate()
+
+
 def test_tokenizer_from_metadata(tmp_path):
   path = tmp_path / "tok.gguf"
   write_tiny_gguf(path, "llama")

@@ -19,6 +19,7 @@ from flax import nnx
 
 from salt_jax.config import TrainConfig
 from salt_jax.models.config import ModelConfig
+from salt_jax.models.gguf import is_gguf_file, load_gguf_config, load_gguf_tokenizer
 from salt_jax.models.loading import from_pretrained
 from salt_jax.models.partitioning import shard_model
 from salt_jax.models.qwen2 import CausalLM
@@ -32,9 +33,10 @@ _TOY_CORPUS_TASKS, _TOY_CORPUS_STEPS = 4, 8
 
 
 def build_tokenizer(config: TrainConfig):
-  """The run's tokenizer: the --model folder's own, else `config.tokenizer` ('toy' for an env
-  other than the toy one is fitted to that env's words)."""
-  if config.model is not None and os.path.exists(os.path.join(config.model, "tokenizer.json")):
+  """The run's tokenizer: the --model folder's (or GGUF file's) own, else `config.tokenizer`
+  ('toy' for an env other than the toy one is fitted to that env's words)."""
+  if config.model is not None and (is_gguf_file(config.model) or os.path.exists(
+      os.path.join(config.model, "tokenizer.json"))):
     return named_tokenizer(config.model)
   if config.tokenizer == "toy" and config.env != "toy":
     return named_tokenizer("toy", config.env, json.dumps(config.env_kwargs, sort_keys=True))
@@ -67,6 +69,8 @@ def named_tokenizer(name: str, env: str = "toy", env_kwargs_json: str = "{}"):
   if os.path.isdir(name):
     from salt_jax.models.tokenizer import load_tokenizer
     return load_tokenizer(name)
+  if is_gguf_file(name):
+    return load_gguf_tokenizer(name)
   if name == "qwen25":
     from salt_jax.models.tokenizer import build_qwen25_tokenizer
     return build_qwen25_tokenizer()
@@ -81,8 +85,11 @@ def named_tokenizer(name: str, env: str = "toy", env_kwargs_json: str = "{}"):
 def policy_config(config: TrainConfig, tokenizer) -> tuple[ModelConfig, jnp.dtype]:
   """(ModelConfig, parameter dtype) of the run's policy, without building it."""
   if config.model is not None:
-    with open(os.path.join(config.model, "config.json"), encoding="utf-8") as f:
-      mcfg = ModelConfig.from_hf_dict(json.load(f))
+    if is_gguf_file(config.model):
+      mcfg = ModelConfig.from_hf_dict(load_gguf_config(config.model))
+    else:
+      with open(os.path.join(config.model, "config.json"), encoding="utf-8") as f:
+        mcfg = ModelConfig.from_hf_dict(json.load(f))
     return (dataclasses.replace(mcfg, attention_impl=config.attention_impl,
                                 remat_policy=config.remat_policy),
             jnp.dtype(config.param_dtype))
@@ -95,7 +102,8 @@ def policy_config(config: TrainConfig, tokenizer) -> tuple[ModelConfig, jnp.dtyp
 
 
 def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
-  """The policy `CausalLM`: loaded from `config.model`, else the tiny random Qwen2."""
+  """The policy `CausalLM`: loaded from `config.model` (a folder or a .gguf file), else the tiny
+  random Qwen2."""
   if config.model is not None:
     # float32 by default whatever the checkpoint holds: AdamW steps of ~1e-6 on bf16 weights
     # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.

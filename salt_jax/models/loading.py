@@ -25,6 +25,7 @@ from safetensors import safe_open
 import safetensors.numpy
 
 from salt_jax.models.config import ModelConfig
+from salt_jax.models.gguf import is_gguf_file, load_gguf_state_dict
 from salt_jax.models.partitioning import ActivationSharding, ShardingRules, shardings_for_state
 from salt_jax.models.qwen2 import CausalLM
 
@@ -272,14 +273,16 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
                     rules: ShardingRules | None = None,
                     attention_impl: str | None = None,
                     remat_policy: str = "none") -> CausalLM:
-  """Loads a local Hugging Face Qwen2 / Llama checkpoint folder into a `CausalLM`.
+  """Loads a local Hugging Face Qwen2 / Llama checkpoint folder, or a GGUF file, into a `CausalLM`.
 
   The folder holds config.json and one `*.safetensors` file or several with
-  `model.safetensors.index.json`. Both RoPE layouts of config.json are read (top-level
+  `model.safetensors.index.json`. A `.gguf` file (llama.cpp's format, e.g. SmolLM2-135M-Instruct
+  from `salt_jax.models.gguf.smollm2_path()`) is read by `load_gguf_state_dict`, its tensors
+  dequantized to float32 (then cast to `dtype`, float32 when None). Both RoPE layouts of config.json are read (top-level
   `rope_theta`, transformers 5's `rope_parameters`).
 
   Args:
-    path: the folder.
+    path: the folder, or a .gguf file.
     dtype: parameter and compute dtype; None means the checkpoint's own (config.json `dtype` /
       `torch_dtype`: float32, bfloat16 or float16), float32 when it names none.
     mesh: shard parameters over this ('data', 'model') mesh; None: first device.
@@ -295,6 +298,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
       unexpected / wrongly shaped tensors (named), or a tensor stored in two shards.
   """
   path = os.fspath(path)
+  if is_gguf_file(path):
+    hf_config, tensors = load_gguf_state_dict(path)  # dequantized to float32
+    config = dataclasses.replace(ModelConfig.from_hf_dict(hf_config),
+                                 attention_impl=attention_impl, remat_policy=remat_policy)
+    return load_state_dict(config, tensors, dtype=dtype, mesh=mesh, rules=rules)
   if not os.path.isdir(path):
     raise ValueError(f"checkpoint folder {path!r} does not exist")
   config_path = os.path.join(path, "config.json")
