@@ -281,7 +281,7 @@ _MEMO_INSTALLED = False
 
 def install_parse_memo() -> bool:
   """Memoizes TextWorld's grammar and query parsing (3 to 4x faster ALFWorld loads and steps)
-  and fast-downward's translation of a game's problem (4x faster resets of a game played before).
+  and fast-downward's translation of a game's problem (a game reset again skips it).
 
   TextWorld's PDDL text engine re-parses, with tatsu, the same few hundred grammar strings and
   fact queries for every admissible command of every step. Both parses are pure functions of
@@ -329,7 +329,7 @@ def _translation_memo(translate):
   """fast-downward's PDDL-to-SAS translation (`pddl2sas(domain, problem, **options)`), memoized.
 
   `PddlState` translates its game's problem twice (plain and `optimize=True`) at every reset,
-  about 0.4 s of a 0.5 s reset, though a game's text never changes. The SAS text is a string;
+  most of a reset's time, though a game's text never changes. The SAS text is a string;
   the parsed task is deep-copied on each use (its objects are the new state's own to change).
   """
   import copy  # pylint: disable=import-outside-toplevel

@@ -45,10 +45,9 @@ def default_attention_impl(mesh=None) -> str:
 
   The platform is that of `mesh`'s devices when given (a TPU topology compiled ahead of time on a
   CPU host), else the default backend's. 'cpu_chunked_sum' is never the default: its decode-step
-  multiply-and-sum materializes every (key slot, head dim) product, which on an AVX2-only AMD
-  EPYC ran 1.5x (96 cache slots) to 5x (1,024 slots) slower than the batched dots, and it decoded
-  the starter policy 5x slower (docs/performance.md); it remains a choice for CPUs where it was
-  measured faster.
+  multiply-and-sum materializes every (key slot, head dim) product, so its cost grows faster with
+  the cache than the batched dots' (docs/performance.md has the measurements); it remains a
+  choice for CPUs where it measures faster.
   """
   import jax  # pylint: disable=import-outside-toplevel  (keeps config.json parsing jax-free)
 
