@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import os
 import tempfile
 import time
 
@@ -23,7 +24,8 @@ from envs.alfworld import starter_defaults
 from salt_jax.config import TrainConfig
 from salt_jax.train import Trainer
 
-MAIN_JOB = "experiments/alfworld_grpo_salt.py"
+MAIN_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "experiments", "alfworld_grpo_salt.py")
 
 
 def main_job_config(out: str, overrides: dict) -> TrainConfig:
@@ -49,12 +51,13 @@ def minibatch(rows: int, length: int, vocab: int, seed: int) -> dict:
               positions=np.repeat(np.arange(length, dtype=np.int32)[None], rows, 0))
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--lengths", type=int, nargs="+", default=[384, 512, 768])
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
-  args = p.parse_args()
+  args = p.parse_args(argv)
+  results = []
   overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(main_job_config(out, overrides)).setup()
@@ -70,10 +73,12 @@ def main() -> None:
             trainer.params, trainer.opt_state, mb, step_adv)
         jax.block_until_ready(out_m)
         times.append(time.perf_counter() - t0)
-      print(json.dumps(dict(length=length, rows=trainer.rows, first_s=round(times[0], 2),
-                            step_s=round(float(np.mean(times[1:])), 3), overrides=overrides)),
-            flush=True)
+      results.append(dict(length=length, rows=trainer.rows, first_s=round(times[0], 2),
+                          step_s=round(float(np.mean(times[1:])), 3), overrides=overrides,
+                          loss=float(out_m["loss"])))
+      print(json.dumps(results[-1]), flush=True)
     trainer.close()
+  return results
 
 
 if __name__ == "__main__":

@@ -79,3 +79,11 @@ def test_bench_checkpoint_times_both_saves(capsys):
   assert bench_checkpoint.main(["--params-mb", "1", "--repeats", "1"]) == 0
   out = capsys.readouterr().out
   assert "async: save returns in" in out and "sync : save returns in" in out
+
+
+def test_bench_update_lengths_times_each_length():
+  import bench_update_lengths  # pylint: disable=import-outside-toplevel
+  rows = bench_update_lengths.main(["--lengths", "64", "128", "--reps", "1", "--set",
+                                    "env_workers=0", "minibatch_rows=4"])
+  assert [r["length"] for r in rows] == [64, 128] and all(r["rows"] == 4 for r in rows)
+  assert all(r["first_s"] > 0 and r["step_s"] > 0 and r["loss"] == r["loss"] for r in rows)
