@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from envs.alfworld import starter_defaults
+from salt_jax.cli import config_from
 from salt_jax.config import TrainConfig
 from salt_jax.train import Trainer
 
@@ -29,15 +30,15 @@ MAIN_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def main_job_config(out: str, overrides: dict) -> TrainConfig:
-  """The main job's config with no flags (its CPU defaults and the starter policy)."""
+  """The main job's config with no flags (`cli.config_from` with its CPU defaults and the starter
+  policy), writing to `out`, with `overrides` (TrainConfig fields) replaced."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("main_job", MAIN_JOB)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  values = {k: v for k, v in module.CPU_DEFAULTS.items()
-            if k in {f.name for f in dataclasses.fields(TrainConfig)}}
-  values.update(starter_defaults(), out=out, progress=False, tensorboard=False, **overrides)
-  return TrainConfig(**values)
+  config, _ = config_from(["--out", out, "--no-progress", "--no-tensorboard"],
+                          module.CPU_DEFAULTS, default_policy=starter_defaults)
+  return dataclasses.replace(config, **overrides)
 
 
 def minibatch(rows: int, length: int, vocab: int, seed: int) -> dict:

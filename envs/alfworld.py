@@ -303,7 +303,7 @@ def install_parse_memo() -> bool:
     from textworld.envs.pddl import logic as pddl_logic  # pylint: disable=import-outside-toplevel
     translate = pddl_logic.fast_downward.pddl2sas
   except (ImportError, AttributeError):
-    pddl_logic = translate = None
+    translate = None
   if parse is None or query is None:
     return False
 
@@ -319,7 +319,7 @@ def install_parse_memo() -> bool:
   query_cached = functools.lru_cache(maxsize=1 << 16)(query.__func__)
   textgen._parse_and_convert = parse_memo  # pylint: disable=protected-access
   Rule.parse_conjunctive_query = classmethod(lambda cls, expr: query_cached(cls, expr))
-  if pddl_logic is not None and translate is not None:
+  if translate is not None:
     pddl_logic.fast_downward.pddl2sas = _translation_memo(translate)
   _MEMO_INSTALLED = True
   return True

@@ -322,8 +322,8 @@ def test_fast_engine_leaves_games_unchanged(expert_env, root):
   out = subprocess.run([sys.executable, "-c", _PLAIN_TRACE, str(root), SMALL_SEEN], check=True,
                        capture_output=True, text=True, cwd=pathlib.Path(__file__).parents[1])
   plain = json.loads(out.stdout.strip().splitlines()[-1])
-  assert alf._MEMO_INSTALLED  # pylint: disable=protected-access
   step = expert_env.reset(_task(root, SMALL_SEEN))
+  assert alf._MEMO_INSTALLED  # pylint: disable=protected-access  (the first reset installs it)
   memo = [[None, step.observation, list(step.admissible_actions)]]
   while not step.done:
     action = expert_env.expert_action()

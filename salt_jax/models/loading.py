@@ -276,10 +276,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
   """Loads a local Hugging Face Qwen2 / Llama checkpoint folder, or a GGUF file, into a `CausalLM`.
 
   The folder holds config.json and one `*.safetensors` file or several with
-  `model.safetensors.index.json`. A `.gguf` file (llama.cpp's format, e.g. SmolLM2-135M-Instruct
-  from `salt_jax.models.gguf.smollm2_path()`) is read by `load_gguf_state_dict`, its tensors
-  dequantized to float32 (then cast to `dtype`, float32 when None). Both RoPE layouts of config.json are read (top-level
-  `rope_theta`, transformers 5's `rope_parameters`).
+  `model.safetensors.index.json`. Both RoPE layouts of config.json are read (top-level
+  `rope_theta`, transformers 5's `rope_parameters`). A `.gguf` file (llama.cpp's format, e.g.
+  SmolLM2-135M-Instruct from `salt_jax.models.gguf.smollm2_path()`) is read by
+  `load_gguf_state_dict`, its tensors dequantized to float32 (then cast to `dtype`, float32 when
+  None).
 
   Args:
     path: the folder, or a .gguf file.
