@@ -155,14 +155,17 @@ def devices_per_chip(mesh: Mesh) -> int:
   return mesh.devices.size // len(chips)
 
 
-def abstract_policy(config: ModelConfig, mesh: Mesh, dtype) -> tuple[CausalLM, Any, Any]:
-  """(model, graphdef, params) of `CausalLM(config)` in `dtype` on `mesh`, allocating nothing:
-  params are ShapeDtypeStructs on the trainer's parameter shardings, and the model constrains
-  its activations as `shard_model` makes it. A config that names no attention implementation
-  gets the one for the mesh's platform, not this host's."""
+def abstract_policy(config: ModelConfig, mesh: Mesh, dtype,
+                    compute_dtype=None) -> tuple[CausalLM, Any, Any]:
+  """(model, graphdef, params) of `CausalLM(config)` with `dtype` parameters (computing in
+  `compute_dtype`, default `dtype`) on `mesh`, allocating nothing: params are ShapeDtypeStructs
+  on the trainer's parameter shardings, and the model constrains its activations as
+  `shard_model` makes it. A config that names no attention implementation gets the one for the
+  mesh's platform, not this host's."""
   if config.attention_impl is None:
     config = dataclasses.replace(config, attention_impl=default_attention_impl(mesh))
-  model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
+  compute = dtype if compute_dtype is None else compute_dtype
+  model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=compute,
                                           param_dtype=dtype))
   model.activation_sharding = ActivationSharding(mesh)
   graphdef, state = nnx.split(model)
@@ -281,7 +284,7 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
   """
   cfg = shape.config
   dtype = jnp.dtype(cfg.param_dtype)
-  _, graphdef, params = abstract_policy(model_config, mesh, dtype)
+  _, graphdef, params = abstract_policy(model_config, mesh, dtype, cfg.compute_dtype)
   tx = update.optimizer(cfg, update.lr_schedule(cfg))
   opt_state = abstract_opt_state(tx, params, mesh)
   ref_params = with_dtype(params, shape.ref_dtype)
@@ -347,7 +350,7 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
   """The sampler's prefill and decode programs for a full batch of `prompt_len`-token prompts."""
   cfg = shape.config
   dtype = jnp.dtype(cfg.param_dtype)
-  model, _, params = abstract_policy(model_config, mesh, dtype)
+  model, _, params = abstract_policy(model_config, mesh, dtype, cfg.compute_dtype)
   sampler = sampling.Sampler(
       model, eos_token_ids=list(model_config.eos_token_ids) or [0], pad_token_id=0,
       max_cache_len=cfg.max_cache_len, mesh=mesh,
@@ -442,7 +445,11 @@ def main(argv=None) -> int:
                        "compile takes 2 to 50 minutes here; memory grows linearly with layers")
   ap.add_argument("--prompt-len", type=int, default=2048, help="longest prompt (tokens)")
   ap.add_argument("--param-dtype", default=None, choices=PARAM_DTYPES,
-                  help="parameters, compute and AdamW state (default: the recipe's)")
+                  help="parameters, AdamW state and (without --compute-dtype) compute "
+                       "(default: the recipe's)")
+  ap.add_argument("--compute-dtype", default=None, choices=PARAM_DTYPES,
+                  help="activations and matmuls, when not the parameters' (bfloat16 over "
+                       "float32 parameters: mixed precision)")
   ap.add_argument("--ref-dtype", default=None, choices=PARAM_DTYPES,
                   help="reference parameters (default: as the parameters)")
   ap.add_argument("--minibatch-rows", type=int, default=None)
@@ -463,6 +470,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
 
   overrides = {k: v for k, v in dict(param_dtype=args.param_dtype,
+                                     compute_dtype=args.compute_dtype,
                                      minibatch_rows=args.minibatch_rows,
                                      microbatch_rows=args.microbatch_rows,
                                      logprob_microbatch_rows=args.logprob_microbatch_rows,
@@ -491,7 +499,8 @@ def main(argv=None) -> int:
   limit = compiler_hbm_limit(mesh)
   print(f"{args.model} ({model_config.num_layers} layers) on {args.topology} "
         f"({mesh.devices.size} devices), mesh {args.mesh}; "
-        f"params {config.param_dtype}, reference {ref_dtype.name}; mini-batch {shape.rows} rows "
+        f"params {config.param_dtype}, compute {config.compute_dtype or config.param_dtype}, "
+        f"reference {ref_dtype.name}; mini-batch {shape.rows} rows "
         f"x {shape.seq_len} tokens, micro-batch {config.microbatch_rows or shape.rows} rows, "
         f"log-prob pass {config.logprob_microbatch_rows or config.microbatch_rows or shape.rows} "
         f"rows, remat {config.remat_policy}, "

@@ -48,7 +48,10 @@ def _key(d: dict, name: str) -> tuple:
     label += f" (remat {c['remat_policy']})"
   if name and d.get("resident_as_args"):
     label += " (state as args)"
-  return (d["model"], d["topology"], d.get("chip_config"), d["mesh"], c["param_dtype"],
+  dtype = c["param_dtype"]
+  if c.get("compute_dtype") not in (None, dtype):
+    dtype += f" ({c['compute_dtype']} compute)"
+  return (d["model"], d["topology"], d.get("chip_config"), d["mesh"], dtype,
           d["ref_dtype"], c["minibatch_rows"], rows_a_pass, d.get("prompt_len", 2048), label)
 
 

@@ -104,6 +104,14 @@ class Check:
 GROUNDED = Check(config=dataclasses.replace(LEARNS, lr=3e-4), epsilon=0.7, sft_steps=600,
                  eval_rounds=4, warm_seed=0, iters=30)
 
+# Room for the stand-in reasoning (`--reasoning templated`: demonstration responses of at most ~75
+# toy tokens); a plain clone stops at </action> long before.
+REASONING_MAX_NEW_TOKENS = 96
+
+# What a run records of SALT's merges at each iteration (the trainer's metrics; `merges` in a run).
+MERGE_KEYS = ("merged_steps", "gradient_changing_merges", "response_differing_merges",
+              "cross_prompt_merges", "num_steps")
+
 
 def warm_start(check: Check, path: str, seed: int) -> str:
   """Clones the noisy expert on the training tasks into the tiny policy; saves it at `path`."""
@@ -149,6 +157,7 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
     before = sampled_success(tr, check)
     t_eval = time.time() - t1
     curve, valid, mid, actions = [], [], {}, {}
+    merges = {k: [] for k in MERGE_KEYS}
     for i in range(check.iters):
       if i in check.eval_at:
         mid[i] = sampled_success(tr, check)
@@ -159,13 +168,15 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
               file=sys.stderr, flush=True)
       curve.append(round(float(m["success_rate"]), 3))
       valid.append(round(float(m["valid_action_ratio"]), 3))
+      for k in MERGE_KEYS:
+        merges[k].append(int(m.get(k, 0)))
       if i in (0, check.iters - 1):
         actions[i + 1] = action_counts(tr.last.rollout)
     t_rl = time.time() - t1 - t_eval
     after = sampled_success(tr, check)
   return {"seed": seed, "salt": salt, "before": before, "after": after,
           "rise": round(after["all"] - before["all"], 4), "iters": check.iters, "mid": mid,
-          "curve": curve, "actions": actions,
+          "curve": curve, "actions": actions, "merges": merges,
           "valid": valid, "minutes": round((time.time() - t0) / 60, 2),
           "seconds": {"warm_start": round(t_warm, 1), "eval": round(t_eval, 1),
                       "rl": round(t_rl, 1)}}
@@ -204,8 +215,12 @@ def main(argv=None):
   ap.add_argument("--warm-seed", type=int, default=None,
                   help="one warm start, cloned with this seed, for every run (default: each "
                        "seed its own)")
+  ap.add_argument("--reasoning", choices=["none", "templated"], default="none",
+                  help="the demonstrations' <think> text: empty, or the stand-in reasoning "
+                       f"(then max_new_tokens {REASONING_MAX_NEW_TOKENS} unless --set)")
   ap.add_argument("--out", default=None, help="append the runs' JSON lines here")
   args = ap.parse_args(argv)
+  reasoning = None if args.reasoning == "none" else args.reasoning
   over = {}
   for item in args.set:
     k, v = item.split("=", 1)
@@ -213,9 +228,11 @@ def main(argv=None):
       over[k] = ast.literal_eval(v)
     except (ValueError, SyntaxError):
       over[k] = v
-  check = Check(config=dataclasses.replace(LEARNS, **over), epsilon=args.epsilon,
+  config = LEARNS if reasoning is None else dataclasses.replace(
+      LEARNS, max_new_tokens=REASONING_MAX_NEW_TOKENS)
+  check = Check(config=dataclasses.replace(config, **over), epsilon=args.epsilon,
                 sft_steps=args.sft_steps, eval_rounds=args.eval_rounds, iters=args.iters,
-                eval_at=tuple(args.eval_at), warm_seed=args.warm_seed)
+                eval_at=tuple(args.eval_at), warm_seed=args.warm_seed, reasoning=reasoning)
   salts = {"off": [False], "on": [True], "both": [False, True]}[args.salt]
   with tempfile.TemporaryDirectory() as shared:
     init = None if check.warm_seed is None else warm_start(
@@ -225,7 +242,8 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as d:
           run = learning_run(check, seed, salt, d, init=init)
         run.update(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
-                   warm_seed=check.warm_seed)
+                   warm_seed=check.warm_seed, algo=check.config.algo,
+                   reasoning=args.reasoning)
         emit(run, args.out)
 
 

@@ -24,12 +24,8 @@ import time
 import jax
 import numpy as np
 
-from learning_check import LEARNS, Check, emit, warm_start
+from learning_check import LEARNS, REASONING_MAX_NEW_TOKENS, Check, emit, warm_start
 from salt_jax.train import Trainer
-
-# Room for the stand-in reasoning (demonstration responses of at most ~75 toy tokens); the plain
-# clone stops at </action> long before.
-MAX_NEW_TOKENS = 96
 
 
 def measure(check: Check, seed: int, workdir: str) -> dict:
@@ -68,7 +64,7 @@ def main(argv=None):
   ap.add_argument("--sft-steps", type=int, default=Check.sft_steps)
   ap.add_argument("--out", default=None, help="append the JSON lines here")
   args = ap.parse_args(argv)
-  config = dataclasses.replace(LEARNS, max_new_tokens=MAX_NEW_TOKENS)
+  config = dataclasses.replace(LEARNS, max_new_tokens=REASONING_MAX_NEW_TOKENS)
   for name in args.reasoning:
     check = Check(config=config, sft_steps=args.sft_steps, reasoning=name)
     with tempfile.TemporaryDirectory() as d:

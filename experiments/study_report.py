@@ -21,20 +21,31 @@ PAPER_COST = {"rollout": 240.0, "update": 30.0, "advantage": 0.05, "salt": 0.15}
 PAPER_ALFWORLD = {"GRPO": 81.8, "GRPO+SALT": 85.2, "RLOO": 79.2, "RLOO+SALT": 84.0}
 
 
-def interval(values: list[float], n_games: int) -> tuple[float, float, float]:
-  """(mean, low, high) of success rates: a 95% t-interval over seeds (scipy's Student t at n - 1
-  degrees of freedom), or over one run's games a 95% Wilson interval (scipy's binomtest)."""
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+  """(mean, low, high): a 95% Student-t interval over `values` (mean +- t_{0.975, n-1} * sd /
+  sqrt(n), scipy's t); NaN bounds for one value, all NaN for none."""
   from scipy import stats  # pylint: disable=import-outside-toplevel  (installed with jax)
   if not values:
     return (math.nan, math.nan, math.nan)
   m = statistics.fmean(values)
   if len(values) == 1:
-    n = max(n_games, 1)
-    ci = stats.binomtest(round(m * n), n).proportion_ci(0.95, method="wilson")
-    return (m, max(0.0, ci.low), min(1.0, ci.high))
+    return (m, math.nan, math.nan)
   half = (stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values)
           / math.sqrt(len(values)))
-  return (m, max(0.0, m - half), min(1.0, m + half))  # a rate stays in [0, 1]
+  return (m, m - half, m + half)
+
+
+def interval(values: list[float], n_games: int) -> tuple[float, float, float]:
+  """(mean, low, high) of success rates: `t_interval` over seeds, or over one run's games a 95%
+  Wilson interval (scipy's binomtest); clipped to [0, 1]."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  if len(values) == 1:
+    n = max(n_games, 1)
+    ci = stats.binomtest(round(values[0] * n), n).proportion_ci(0.95, method="wilson")
+    return (values[0], max(0.0, ci.low), min(1.0, ci.high))
+  m, lo, hi = t_interval(values)
+  return (m, lo if math.isnan(lo) else max(0.0, lo),  # a rate stays in [0, 1]
+          hi if math.isnan(hi) else min(1.0, hi))
 
 
 def load(out: str, name: str):
@@ -335,6 +346,136 @@ def by_type_table(s: dict) -> str:
   return "\n".join(lines)
 
 
+# The four methods on the toy tasks (`experiments/learning_check.py` lines, one per run, in
+# docs/study/<TOY_FOUR_METHODS>/runs.jsonl).
+TOY_FOUR_METHODS = "toy-four-methods"
+
+
+def load_jsonl(path: str) -> list[dict]:
+  """The JSON objects of a file with one per line (blank lines skipped)."""
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
+  """Learning-check runs grouped by method name ("GRPO", "GRPO+SALT", ...)."""
+  out: dict = {}
+  for r in runs:
+    out.setdefault(r["algo"].upper() + ("+SALT" if r["salt"] else ""), []).append(r)
+  return out
+
+
+def _success_at(r: dict, it: int) -> float:
+  """A learning-check run's measured success after `it` iterations (its last one, or a `mid`)."""
+  if it == r["iters"]:
+    return r["after"]["all"]
+  return r["mid"][str(it)]["all"] if str(it) in r["mid"] else r["mid"][it]["all"]
+
+
+def _checkpoints(runs: list[dict]) -> list[int]:
+  """Iteration counts after which every run was measured: 0, the shared `mid` ones, the last."""
+  iters = {r["iters"] for r in runs}
+  if len(iters) != 1:
+    raise ValueError(f"runs of different lengths: {sorted(iters)}")
+  common = set.intersection(*({int(k) for k in r["mid"]} for r in runs))
+  return [0] + sorted(common - {0}) + [iters.pop()]
+
+
+def _measured(r: dict, it: int) -> float:
+  return r["before"]["all"] if it == 0 else _success_at(r, it)
+
+
+def paired_effects(runs: list[dict], it: int) -> dict[str, list[tuple[int, float]]]:
+  """{base method: [(seed, SALT's success minus its base's after `it` iterations)]}: runs paired
+  by (algo, seed); a seed without both runs is left out, two runs of one (algo, salt, seed) are an
+  error."""
+  by: dict = {}
+  for r in runs:
+    key = (r["algo"], bool(r["salt"]), r["seed"])
+    if key in by:
+      raise ValueError(f"two runs of {key}")
+    by[key] = r
+  out: dict = {}
+  for (algo, salt, seed), r in sorted(by.items()):
+    base = by.get((algo, False, seed))
+    if salt and base is not None:
+      out.setdefault(algo.upper(), []).append((seed, _measured(r, it) - _measured(base, it)))
+  return out
+
+
+def _ci(stat, scale=100.0) -> str:
+  m, lo, hi = stat
+  if math.isnan(lo):
+    return f"{scale * m:+.1f}"
+  return f"{scale * m:+.1f} ({scale * lo:+.1f} to {scale * hi:+.1f})"
+
+
+def four_methods_tables(runs: list[dict]) -> str:
+  """Success per method after each measured iteration count (mean and 95% t-interval over seeds),
+  SALT's merges, and SALT minus its base per seed (paired) with its 95% t-interval."""
+  if not runs:
+    raise ValueError("no runs")
+  its = _checkpoints(runs)
+  methods = _by_method(runs)
+  lines = ["| method | seeds | " + " | ".join(f"success after {i} % (95% CI)" for i in its)
+           + " | valid steps %, last 5 | merged steps % | of merged: responses differ % "
+             "| of merged: gradient changes % |",
+           "|---|---|" + "---|" * (len(its) + 4)]
+  for m in sorted(methods, key=lambda k: (k.split("+")[0], "+" in k)):
+    rows = methods[m]
+    cells = []
+    for i in its:
+      m_, lo, hi = t_interval([_measured(r, i) for r in rows])
+      cells.append(f"{_pct(m_)}" + ("" if math.isnan(lo) else f" ({_pct(lo)} to {_pct(hi)})"))
+    valid = statistics.fmean(statistics.fmean(r["valid"][-5:]) for r in rows)
+    tot = {k: sum(sum(r["merges"][k]) for r in rows) for k in
+           ("num_steps", "merged_steps", "response_differing_merges", "gradient_changing_merges")}
+    merged = tot["merged_steps"]
+    share = lambda k: _pct(tot[k] / merged if merged else math.nan)  # noqa: E731
+    lines.append(f"| {m} | {len(rows)} | " + " | ".join(cells) + f" | {100 * valid:.1f} | "
+                 f"{_pct(merged / tot['num_steps'] if tot['num_steps'] else math.nan)} | "
+                 f"{share('response_differing_merges')} | {share('gradient_changing_merges')} |")
+  lines += ["", "SALT minus its base, same seed, same warm start and first rollout (points; mean "
+            "and 95% t-interval over seeds; wins / ties / losses):", "",
+            "| comparison | seeds | " + " | ".join(f"after {i}" for i in its[1:]) + " |",
+            "|---|---|" + "---|" * (len(its) - 1)]
+  for algo in sorted(paired_effects(runs, its[-1])):
+    cells = []
+    for i in its[1:]:
+      d = [x for _, x in paired_effects(runs, i)[algo]]
+      wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
+      cells.append(f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}")
+    lines.append(f"| {algo}+SALT - {algo} | {len(d)} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def four_methods_figure(runs: list[dict], docs: str) -> list[str]:
+  """Training rollouts' success per iteration (mean over seeds, 5-iteration mean) per method, and
+  each seed's paired SALT-minus-base difference at the last measurement."""
+  _, plt = _pyplot()
+  fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  methods = _by_method(runs)
+  for m in sorted(methods):
+    curves = [_smooth(r["curve"]) for r in methods[m]]
+    mean = _nanmean_curves(curves)
+    a0.plot(range(1, len(mean) + 1), mean, label=f"{m} ({len(curves)} seeds)")
+  a0.set(xlabel="iteration", ylabel="training success (5-iteration mean)",
+         title="training rollouts (sampled), mean over seeds")
+  a0.legend()
+  last = _checkpoints(runs)[-1]
+  for x, (algo, pairs) in enumerate(sorted(paired_effects(runs, last).items())):
+    d = [100 * v for _, v in pairs]
+    a1.scatter([x] * len(d), d, alpha=0.6)
+    m, lo, hi = t_interval(d)
+    if not math.isnan(lo):
+      a1.errorbar([x + 0.15], [m], yerr=[[m - lo], [hi - m]], marker="o", capsize=5, color="k")
+    a1.set_xticks(list(range(x + 1)))
+  a1.set_xticklabels([f"{a}+SALT - {a}" for a in sorted(paired_effects(runs, last))])
+  a1.axhline(0, color="grey", lw=0.8)
+  a1.set(ylabel=f"success after {last} iterations, points", title="SALT minus its base, per seed")
+  return [_save(fig, docs, "toy_four_methods.png")]
+
+
 def docs_dir(out: str) -> str:
   """Where figures go: docs/ for the default docs/study, else `out` itself."""
   docs = os.path.dirname(os.path.abspath(out)) if os.path.basename(out) == "study" else out
@@ -385,6 +526,14 @@ def report(out: str) -> str:
     else:
       figs = matching_figure(s, docs)
     md += [f"![{name}]({os.path.relpath(f, docs)})" for f in figs] + [""]
+  toy = os.path.join(out, TOY_FOUR_METHODS, "runs.jsonl")
+  if os.path.exists(toy):
+    runs = load_jsonl(toy)
+    md += [f"## The four methods on the toy tasks ({TOY_FOUR_METHODS}; "
+           "`experiments/learning_check.py`)", "", "Sampled success on the 4 training tasks "
+           "(fixed keys neither training nor cloning uses).", "", four_methods_tables(runs), ""]
+    md += [f"![toy four methods]({os.path.relpath(f, docs)})"
+           for f in four_methods_figure(runs, docs)] + [""]
   text = "\n".join(md)
   with open(os.path.join(docs, "results.md"), "w", encoding="utf-8") as f:
     f.write(text)

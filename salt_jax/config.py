@@ -69,8 +69,14 @@ class PolicyConfig:
   tiny_policy: dict = _field({}, "overrides of the tiny policy's architecture (JSON)")
   init_params: Optional[str] = _field(None, "an orbax params folder to start from (e.g. a "
                                       "behaviour-cloning warm start)")
-  param_dtype: str = _field("float32", "parameters and compute of a --model checkpoint: float32 "
-                            "(AdamW's small steps round away on bf16 weights) or bfloat16")
+  param_dtype: str = _field("float32", "parameters (and compute, unless --compute-dtype) of a "
+                            "--model checkpoint: float32 (AdamW's small steps round away on bf16 "
+                            "weights) or bfloat16")
+  compute_dtype: Optional[str] = _field(None, "activations and matmuls of the policy and reference "
+                                        "when they differ from param_dtype: bfloat16 over float32 "
+                                        "parameters is mixed precision (float32 master weights "
+                                        "and AdamW state, half the activation memory); None: "
+                                        "param_dtype")
   attention_impl: Optional[str] = _field(None, "which program computes attention: a name in "
                                          "salt_jax.models.ATTENTION_IMPLS (default: "
                                          "default_attention_impl() picks one for the machine)")
@@ -234,6 +240,8 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("kl_estimator", KL_ESTIMATORS)
     one_of("loss_agg", LOSS_AGG_MODES)
     one_of("param_dtype", PARAM_DTYPES)
+    if self.compute_dtype is not None:
+      one_of("compute_dtype", PARAM_DTYPES)
     one_of("attention_impl", (None, *ATTENTION_IMPLS))
     one_of("remat_policy", REMAT_POLICIES)
     one_of("invalid_step", INVALID_STEP_MODES)

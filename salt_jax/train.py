@@ -263,8 +263,9 @@ class Trainer:
                       else self.tokenizer.eos_token_id)
 
     # policy, reference (the initial policy, frozen), optimizer, PRNG key
-    logger.info("setup: policy %s (%s) on a %s mesh", cfg.model or "tiny random Qwen2",
-                cfg.param_dtype, "x".join(str(v) for v in self.mesh.shape.values()))
+    logger.info("setup: policy %s (%s%s) on a %s mesh", cfg.model or "tiny random Qwen2",
+                cfg.param_dtype, f", {cfg.compute_dtype} compute" if cfg.compute_dtype else "",
+                "x".join(str(v) for v in self.mesh.shape.values()))
     self.model = build_policy(cfg, self.tokenizer, self.mesh)
     # Processes play different tasks, so each samples on its own devices alone: with several, the
     # sampler has its own copy of the policy there (`_sync_sampler`).

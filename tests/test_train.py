@@ -519,6 +519,7 @@ def test_nan_guard_skips_the_update(run_a):
     (dict(mesh="4x2", logprob_microbatch_rows=2), "logprob_microbatch_rows .* multiple of the "
                                                    "mesh's data axis"),
     (dict(remat_policy="layers"), "unknown remat_policy"),
+    (dict(compute_dtype="float8"), "unknown compute_dtype"),
 ])
 def test_bad_flags_fail_before_any_work(change, match, tmp_path):
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "x"), **change)
@@ -543,6 +544,14 @@ def test_checkpoint_policy_is_loaded_in_param_dtype(param_dtype, tmp_path):
   model = build_policy(cfg, tok, make_mesh("1x1"))
   dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
   assert dtypes == {jnp.dtype(param_dtype)}
+  assert model.dtype == jnp.dtype(param_dtype)  # computes in it too, unless compute_dtype says
+  # Mixed precision: float32 parameters computing in bfloat16, for a checkpoint and the tiny policy.
+  for c in (cfg, dataclasses.replace(BASE, model=None)):
+    c = dataclasses.replace(c, param_dtype="float32", compute_dtype="bfloat16")
+    c.validate()
+    model = build_policy(c, tok, make_mesh("1x1"))
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
+    assert model.dtype == jnp.bfloat16
 
 
 def test_fresh_run_refuses_a_folder_with_checkpoints(run_a):

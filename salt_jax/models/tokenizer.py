@@ -73,7 +73,8 @@ def qwen25_ranks_path() -> pathlib.Path:
   return path
 
 
-def _cache_root() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
+  """Where salt-jax keeps files it builds or fetches: `$SALT_JAX_CACHE`, else ~/.cache/salt_jax."""
   root = os.environ.get("SALT_JAX_CACHE")
   return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "salt_jax"
 
@@ -143,7 +144,7 @@ def build_qwen25_tokenizer(save_dir: str | os.PathLike | None = None, *,
   ranks = qwen25_ranks_path()
   template = qwen25_chat_template()
   tok = None
-  cache = _cache_root() / f"qwen2.5-tokenizer-{_cache_key(ranks, template)}"
+  cache = cache_root() / f"qwen2.5-tokenizer-{_cache_key(ranks, template)}"
   broken = False  # an entry was there but could not be loaded: it may be replaced
   if use_cache and cache.exists():
     try:
