@@ -18,8 +18,21 @@ and so every rollout after the warm start; to reproduce their figures, run the d
 XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/learning_check.py
 
 Each run prints one JSON line; --out collects them (each measurement also lists its rounds' own
-success, so the first 2 rounds of a 6-round measurement are the 2-round one). Any `TrainConfig`
-field can be overridden with --set name=value (a Python literal), e.g. --set lr=1e-3.
+success, so the first 2 rounds of a 6-round measurement are the 2-round one), and a run already
+in --out with the same settings is skipped, so an interrupted command resumes. Any `TrainConfig`
+field can be overridden with --set name=value (a Python literal), e.g. --set lr=1e-3 or --set
+algo=rloo. `--reasoning templated` clones on the stand-in reasoning (`salt_jax.agent.reasoning`).
+
+The four methods in verl-agent's setting (docs/study.md; `experiments/study.py report` tabulates
+docs/study/toy-four-methods/runs.jsonl), one command per base estimator (about 110 minutes each
+with two at a time on this 2-core machine):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python \
+      experiments/learning_check.py --seeds 0 1 2 3 4 --salt both --epsilon 0.7 \
+      --sft-steps 600 --eval-rounds 4 --warm-seed 0 --iters 30 --eval-at 10 20 \
+      --reasoning templated --set lr=3e-4 --set prompt_history=2 --set reward_scale=10.0 \
+      --set invalid_action_penalty=0.1 --set invalid_step=format --set algo=grpo \
+      --out docs/study/toy-four-methods/runs.jsonl      # and --set algo=rloo
 """
 
 from __future__ import annotations
@@ -201,6 +214,13 @@ def emit(run: dict, out: Optional[str]) -> None:
       f.write(line + "\n")
 
 
+def _run_key(run: dict) -> str:
+  """What makes two runs the same experiment (so a finished one in --out is not run again)."""
+  return json.dumps({k: run.get(k) for k in (
+      "seed", "salt", "algo", "reasoning", "overrides", "epsilon", "sft_steps", "warm_seed",
+      "iters", "eval_at", "eval_rounds")}, sort_keys=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -218,7 +238,8 @@ def main(argv=None):
   ap.add_argument("--reasoning", choices=["none", "templated"], default="none",
                   help="the demonstrations' <think> text: empty, or the stand-in reasoning "
                        f"(then max_new_tokens {REASONING_MAX_NEW_TOKENS} unless --set)")
-  ap.add_argument("--out", default=None, help="append the runs' JSON lines here")
+  ap.add_argument("--out", default=None, help="append the runs' JSON lines here; a run already "
+                                                "there with the same settings is not run again")
   args = ap.parse_args(argv)
   reasoning = None if args.reasoning == "none" else args.reasoning
   over = {}
@@ -234,17 +255,28 @@ def main(argv=None):
                 sft_steps=args.sft_steps, eval_rounds=args.eval_rounds, iters=args.iters,
                 eval_at=tuple(args.eval_at), warm_seed=args.warm_seed, reasoning=reasoning)
   salts = {"off": [False], "on": [True], "both": [False, True]}[args.salt]
+  done = set()
+  if args.out and os.path.exists(args.out):
+    with open(args.out, encoding="utf-8") as f:
+      done = {_run_key(json.loads(line)) for line in f if line.strip()}
+  settings = dict(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
+                  warm_seed=check.warm_seed, algo=check.config.algo, reasoning=args.reasoning,
+                  iters=check.iters, eval_at=list(check.eval_at), eval_rounds=check.eval_rounds)
+  todo = [(seed, salt) for seed in args.seeds for salt in salts
+          if _run_key({**settings, "seed": seed, "salt": salt}) not in done]
+  if len(todo) < len(args.seeds) * len(salts):
+    print(f"{len(args.seeds) * len(salts) - len(todo)} run(s) already in {args.out}",
+          file=sys.stderr)
+  if not todo:
+    return
   with tempfile.TemporaryDirectory() as shared:
     init = None if check.warm_seed is None else warm_start(
         check, os.path.join(shared, "warm"), check.warm_seed)
-    for seed in args.seeds:
-      for salt in salts:
-        with tempfile.TemporaryDirectory() as d:
-          run = learning_run(check, seed, salt, d, init=init)
-        run.update(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
-                   warm_seed=check.warm_seed, algo=check.config.algo,
-                   reasoning=args.reasoning)
-        emit(run, args.out)
+    for seed, salt in todo:
+      with tempfile.TemporaryDirectory() as d:
+        run = learning_run(check, seed, salt, d, init=init)
+      run.update(settings)
+      emit(run, args.out)
 
 
 if __name__ == "__main__":

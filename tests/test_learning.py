@@ -27,6 +27,7 @@ iterations"): +26.5 to +37.5 under GRPO, +30.5 to +32 under GRPO+SALT (about 4 m
 After 12 and 20 iterations some runs were still under +20 (+12.5 to +27).
 """
 
+import json
 import os
 import sys
 
@@ -48,6 +49,37 @@ def test_rl_raises_success_fast(tmp_path):
   print(run)
   assert run["after"]["all"] - run["before"]["all"] >= FAST_RISE, run
   assert set(run["actions"]) == {1, FAST.iters} and run["actions"][1]["valid"], run["actions"]
+  assert {k: len(v) for k, v in run["merges"].items()} == {
+      k: FAST.iters for k in learning_check.MERGE_KEYS}
+
+
+def test_driver_resumes_a_study_from_its_out_file(tmp_path, monkeypatch):
+  """A run already in --out with the same settings is not run again; other settings are."""
+  calls = []
+
+  def fake_run(check, seed, salt, workdir, init=None):
+    calls.append((seed, salt, check.config.algo, check.reasoning, init is not None))
+    return {"seed": seed, "salt": salt, "rise": 0.0}
+  monkeypatch.setattr(learning_check, "learning_run", fake_run)
+  monkeypatch.setattr(learning_check, "warm_start", lambda check, path, seed: path)
+  out = str(tmp_path / "runs.jsonl")
+  argv = ["--seeds", "0", "1", "--salt", "both", "--warm-seed", "0", "--iters", "3",
+          "--set", "algo=rloo", "--reasoning", "templated", "--out", out]
+  learning_check.main(argv)
+  assert calls == [(0, False, "rloo", "templated", True), (0, True, "rloo", "templated", True),
+                   (1, False, "rloo", "templated", True), (1, True, "rloo", "templated", True)]
+  with open(out, encoding="utf-8") as f:
+    lines = [json.loads(x) for x in f]
+  assert [(r["seed"], r["salt"], r["algo"], r["iters"]) for r in lines] == [
+      (0, False, "rloo", 3), (0, True, "rloo", 3), (1, False, "rloo", 3), (1, True, "rloo", 3)]
+  calls.clear()
+  learning_check.main(argv)  # everything is there
+  assert calls == []
+  learning_check.main(argv[:2] + ["2"] + argv[2:])  # a new seed only
+  assert [c[:2] for c in calls] == [(2, False), (2, True)]
+  calls.clear()
+  learning_check.main([a if a != "algo=rloo" else "algo=grpo" for a in argv])  # another method
+  assert len(calls) == 4 and {c[2] for c in calls} == {"grpo"}
 
 
 @pytest.fixture(scope="module")
