@@ -385,10 +385,20 @@ def _measured(r: dict, it: int) -> float:
   return r["before"]["all"] if it == 0 else _success_at(r, it)
 
 
-def paired_effects(runs: list[dict], it: int) -> dict[str, list[tuple[int, float]]]:
-  """{base method: [(seed, SALT's success minus its base's after `it` iterations)]}: runs paired
-  by (algo, seed); a seed without both runs is left out, two runs of one (algo, salt, seed) are an
-  error."""
+LATE_ITERS = 10  # the training rollouts' success is also compared over a run's last 10 iterations
+
+
+def _late_curve(r: dict) -> float:
+  """Mean training-rollout success over a run's last LATE_ITERS iterations."""
+  return statistics.fmean(r["curve"][-LATE_ITERS:])
+
+
+def paired_effects(runs: list[dict], it) -> dict[str, list[tuple[int, float]]]:
+  """{base method: [(seed, SALT's success minus its base's)]} after `it` iterations (the fixed
+  measurement), or with `it="late"` over the training rollouts of the last LATE_ITERS
+  iterations; runs paired by (algo, seed); a seed without both runs is left out, two runs of one
+  (algo, salt, seed) are an error."""
+  value = _late_curve if it == "late" else (lambda r: _measured(r, it))
   by: dict = {}
   for r in runs:
     key = (r["algo"], bool(r["salt"]), r["seed"])
@@ -399,7 +409,7 @@ def paired_effects(runs: list[dict], it: int) -> dict[str, list[tuple[int, float
   for (algo, salt, seed), r in sorted(by.items()):
     base = by.get((algo, False, seed))
     if salt and base is not None:
-      out.setdefault(algo.upper(), []).append((seed, _measured(r, it) - _measured(base, it)))
+      out.setdefault(algo.upper(), []).append((seed, value(r) - value(base)))
   return out
 
 
@@ -426,22 +436,26 @@ def four_methods_tables(runs: list[dict]) -> str:
     cells = []
     for i in its:
       m_, lo, hi = t_interval([_measured(r, i) for r in rows])
-      cells.append(f"{_pct(m_)}" + ("" if math.isnan(lo) else f" ({_pct(lo)} to {_pct(hi)})"))
+      cells.append(f"{_pct(m_)}" + ("" if math.isnan(lo) or lo == hi  # one seed, or one clone
+                                    else f" ({_pct(lo)} to {_pct(hi)})"))
     valid = statistics.fmean(statistics.fmean(r["valid"][-5:]) for r in rows)
     tot = {k: sum(sum(r["merges"][k]) for r in rows) for k in
            ("num_steps", "merged_steps", "response_differing_merges", "gradient_changing_merges")}
     merged = tot["merged_steps"]
     share = lambda k: _pct(tot[k] / merged if merged else math.nan)  # noqa: E731
+    merges = (f"{_pct(merged / tot['num_steps'] if tot['num_steps'] else math.nan)} | "
+              f"{share('response_differing_merges')} | {share('gradient_changing_merges')}"
+              if any(r["salt"] for r in rows) else "- | - | -")  # merges are SALT's
     lines.append(f"| {m} | {len(rows)} | " + " | ".join(cells) + f" | {100 * valid:.1f} | "
-                 f"{_pct(merged / tot['num_steps'] if tot['num_steps'] else math.nan)} | "
-                 f"{share('response_differing_merges')} | {share('gradient_changing_merges')} |")
+                 + merges + " |")
   lines += ["", "SALT minus its base, same seed, same warm start and first rollout (points; mean "
             "and 95% t-interval over seeds; wins / ties / losses):", "",
-            "| comparison | seeds | " + " | ".join(f"after {i}" for i in its[1:]) + " |",
-            "|---|---|" + "---|" * (len(its) - 1)]
+            "| comparison | seeds | " + " | ".join(f"after {i}" for i in its[1:])
+            + f" | training rollouts, last {LATE_ITERS} iterations |",
+            "|---|---|" + "---|" * len(its)]
   for algo in sorted(paired_effects(runs, its[-1])):
     cells = []
-    for i in its[1:]:
+    for i in its[1:] + ["late"]:
       d = [x for _, x in paired_effects(runs, i)[algo]]
       wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
       cells.append(f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}")
@@ -471,6 +485,7 @@ def four_methods_figure(runs: list[dict], docs: str) -> list[str]:
       a1.errorbar([x + 0.15], [m], yerr=[[m - lo], [hi - m]], marker="o", capsize=5, color="k")
     a1.set_xticks(list(range(x + 1)))
   a1.set_xticklabels([f"{a}+SALT - {a}" for a in sorted(paired_effects(runs, last))])
+  a1.set_xlim(-0.5, len(paired_effects(runs, last)) - 0.5)
   a1.axhline(0, color="grey", lw=0.8)
   a1.set(ylabel=f"success after {last} iterations, points", title="SALT minus its base, per seed")
   return [_save(fig, docs, "toy_four_methods.png")]

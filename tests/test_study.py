@@ -284,6 +284,8 @@ def test_paired_effects_pair_salt_with_its_base_by_seed():
     assert [s for s, _ in eff[algo]] == [0, 1, 2]
     assert [d for _, d in eff[algo]] == pytest.approx([d for _, d in want])
   assert study_report.paired_effects(runs, 0)["GRPO"] == [(0, 0.0), (1, 0.0), (2, 0.0)]
+  late = study_report.paired_effects(runs, "late")["GRPO"]  # the fakes' curves are equal
+  assert late == [(0, 0.0), (1, 0.0), (2, 0.0)]
   mid = study_report.paired_effects(runs, 2)["RLOO"]
   assert [d for _, d in mid] == pytest.approx([-0.05, -0.06, -0.07])
   # A seed whose base run is missing is left out; a duplicated run is refused.
@@ -300,10 +302,10 @@ def test_four_methods_tables_and_figure(tmp_path):
   d = [5.0, -7.0, 5.0]
   m, lo, hi = study_report.t_interval(d)
   assert "| GRPO+SALT - GRPO | 3 | " in text
-  assert f"{m:+.1f} ({lo:+.1f} to {hi:+.1f}); 2/0/1" in text  # seed 1 loses
+  assert f"{m:+.1f} ({lo:+.1f} to {hi:+.1f}); 2/0/1 | +0.0 (+0.0 to +0.0); 0/3/0 |" in text
   grpo = next(line for line in text.splitlines() if line.startswith("| GRPO |"))
-  assert grpo.endswith("| 50.0 | 20.0 | 50.0 | 0.0 |")  # no merge changes GRPO's gradient
-  assert "| 50.0 (50.0 to 50.0) | 56.0 (53.5 to 58.5) |" in grpo
+  assert grpo.endswith("| 50.0 | - | - | - |")  # GRPO alone merges nothing
+  assert "| 3 | 50.0 | 56.0 (53.5 to 58.5) |" in grpo  # one clone: no interval at 0
   salt = next(line for line in text.splitlines() if line.startswith("| GRPO+SALT |"))
   assert salt.endswith("| 20.0 | 50.0 | 50.0 |")
   with pytest.raises(ValueError, match="different lengths"):
