@@ -164,7 +164,7 @@ def abstract_policy(config: ModelConfig, mesh: Mesh, dtype,
   mesh's platform, not this host's."""
   if config.attention_impl is None:
     config = dataclasses.replace(config, attention_impl=default_attention_impl(mesh))
-  compute = dtype if compute_dtype is None else compute_dtype
+  compute = dtype if compute_dtype is None else jnp.dtype(compute_dtype)
   model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=compute,
                                           param_dtype=dtype))
   model.activation_sharding = ActivationSharding(mesh)

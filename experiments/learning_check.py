@@ -57,6 +57,7 @@ from envs.toy import ToyEnv
 from salt_jax import sft
 from salt_jax.agent.prompts import env_prompt_config
 from salt_jax.config import TrainConfig
+from salt_jax.metrics import read_jsonl, write_jsonl
 from salt_jax.models.build import build_policy, build_tokenizer, save_params
 from salt_jax.sharding import make_mesh
 from salt_jax import train
@@ -257,8 +258,9 @@ def main(argv=None):
   salts = {"off": [False], "on": [True], "both": [False, True]}[args.salt]
   done = set()
   if args.out and os.path.exists(args.out):
-    with open(args.out, encoding="utf-8") as f:
-      done = {_run_key(json.loads(line)) for line in f if line.strip()}
+    finished = read_jsonl(args.out)
+    write_jsonl(args.out, finished)  # drops a last line cut short by a kill; the runs stay
+    done = {_run_key(run) for run in finished}
   settings = dict(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
                   warm_seed=check.warm_seed, algo=check.config.algo, reasoning=args.reasoning,
                   iters=check.iters, eval_at=list(check.eval_at), eval_rounds=check.eval_rounds)

@@ -117,8 +117,8 @@ def _complete(out: str, iters: int) -> bool:
   path = os.path.join(out, "metrics.jsonl")
   if not os.path.exists(path):
     return False
-  with open(path, encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
+  rows = read_jsonl(path)  # a last line cut short by a kill is not a row
   return bool(rows) and rows[-1]["iteration"] == iters - 1
 
 
@@ -309,14 +309,14 @@ def write_summary(name: str, runs: list[Run], root: str, iters: int) -> str:
   """summary.json: per finished run its labels, final held-out success, curves and phase times;
   the runs not finished yet are listed under "missing" (the study writes it after every run, so
   an interrupted study still reports what it has)."""
+  from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
   rows, missing = [], []
   env, _ = experiment_runs(name, [0])
   for r in runs:
     if not _complete(os.path.join(root, "runs", r.name), iters):
       missing.append(r.name)
       continue
-    with open(os.path.join(root, "runs", r.name, "metrics.jsonl"), encoding="utf-8") as f:
-      ms = [json.loads(line) for line in f if line.strip()]
+    ms = read_jsonl(os.path.join(root, "runs", r.name, "metrics.jsonl"))
     evals = [(m["iteration"] + 1, _eval_success(m)) for m in ms if _eval_success(m) is not None]
     start = os.path.join(warm_start_dir(env, os.path.dirname(root)), "eval.json")
     if os.path.exists(start):

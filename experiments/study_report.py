@@ -351,12 +351,6 @@ def by_type_table(s: dict) -> str:
 TOY_FOUR_METHODS = "toy-four-methods"
 
 
-def load_jsonl(path: str) -> list[dict]:
-  """The JSON objects of a file with one per line (blank lines skipped)."""
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
   """Learning-check runs grouped by method name ("GRPO", "GRPO+SALT", ...)."""
   out: dict = {}
@@ -365,8 +359,11 @@ def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
   return out
 
 
-def _success_at(r: dict, it: int) -> float:
-  """A learning-check run's measured success after `it` iterations (its last one, or a `mid`)."""
+def _measured(r: dict, it: int) -> float:
+  """A learning-check run's measured success after `it` iterations: before RL, after its last
+  iteration, or a `mid` measurement (keyed by int in a run, by str once read back from JSON)."""
+  if it == 0:
+    return r["before"]["all"]
   if it == r["iters"]:
     return r["after"]["all"]
   return r["mid"][str(it)]["all"] if str(it) in r["mid"] else r["mid"][it]["all"]
@@ -379,10 +376,6 @@ def _checkpoints(runs: list[dict]) -> list[int]:
     raise ValueError(f"runs of different lengths: {sorted(iters)}")
   common = set.intersection(*({int(k) for k in r["mid"]} for r in runs))
   return [0] + sorted(common - {0}) + [iters.pop()]
-
-
-def _measured(r: dict, it: int) -> float:
-  return r["before"]["all"] if it == 0 else _success_at(r, it)
 
 
 LATE_ITERS = 10  # the training rollouts' success is also compared over a run's last 10 iterations
@@ -453,10 +446,11 @@ def four_methods_tables(runs: list[dict]) -> str:
             "| comparison | seeds | " + " | ".join(f"after {i}" for i in its[1:])
             + f" | training rollouts, last {LATE_ITERS} iterations |",
             "|---|---|" + "---|" * len(its)]
-  for algo in sorted(paired_effects(runs, its[-1])):
+  effects = {i: paired_effects(runs, i) for i in its[1:] + ["late"]}
+  for algo in sorted(effects["late"]):
     cells = []
     for i in its[1:] + ["late"]:
-      d = [x for _, x in paired_effects(runs, i)[algo]]
+      d = [x for _, x in effects[i][algo]]
       wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
       cells.append(f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}")
     lines.append(f"| {algo}+SALT - {algo} | {len(d)} | " + " | ".join(cells) + " |")
@@ -477,15 +471,16 @@ def four_methods_figure(runs: list[dict], docs: str) -> list[str]:
          title="training rollouts (sampled), mean over seeds")
   a0.legend()
   last = _checkpoints(runs)[-1]
-  for x, (algo, pairs) in enumerate(sorted(paired_effects(runs, last).items())):
+  effects = sorted(paired_effects(runs, last).items())
+  for x, (algo, pairs) in enumerate(effects):
     d = [100 * v for _, v in pairs]
     a1.scatter([x] * len(d), d, alpha=0.6)
     m, lo, hi = t_interval(d)
     if not math.isnan(lo):
       a1.errorbar([x + 0.15], [m], yerr=[[m - lo], [hi - m]], marker="o", capsize=5, color="k")
     a1.set_xticks(list(range(x + 1)))
-  a1.set_xticklabels([f"{a}+SALT - {a}" for a in sorted(paired_effects(runs, last))])
-  a1.set_xlim(-0.5, len(paired_effects(runs, last)) - 0.5)
+  a1.set_xticklabels([f"{a}+SALT - {a}" for a, _ in effects])
+  a1.set_xlim(-0.5, len(effects) - 0.5)
   a1.axhline(0, color="grey", lw=0.8)
   a1.set(ylabel=f"success after {last} iterations, points", title="SALT minus its base, per seed")
   return [_save(fig, docs, "toy_four_methods.png")]
@@ -543,7 +538,8 @@ def report(out: str) -> str:
     md += [f"![{name}]({os.path.relpath(f, docs)})" for f in figs] + [""]
   toy = os.path.join(out, TOY_FOUR_METHODS, "runs.jsonl")
   if os.path.exists(toy):
-    runs = load_jsonl(toy)
+    from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
+    runs = read_jsonl(toy)
     md += [f"## The four methods on the toy tasks ({TOY_FOUR_METHODS}; "
            "`experiments/learning_check.py`)", "", "Sampled success on the 4 training tasks "
            "(fixed keys neither training nor cloning uses).", "", four_methods_tables(runs), ""]

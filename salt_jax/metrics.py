@@ -107,6 +107,16 @@ def read_jsonl(path: str) -> list[dict]:
   return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
+def write_jsonl(path: str, rows) -> None:
+  """Replaces the file `path` with `rows`, one JSON object a line, written beside it first and
+  renamed (so it holds the old rows or the new ones, whole)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for r in rows:
+      f.write(json.dumps(r, sort_keys=True) + "\n")
+  os.replace(tmp, path)
+
+
 # ----------------------------------------------------------------------------- W&B / MLflow
 
 TRACKERS = ("wandb", "mlflow")
@@ -208,12 +218,8 @@ class MetricsLogger:
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     start = 0 if truncate_from is None else truncate_from  # a fresh run owns the folder's log
     if os.path.exists(self.jsonl_path):
-      kept = [r for r in read_jsonl(self.jsonl_path) if r.get("iteration", -1) < start]
-      tmp = self.jsonl_path + ".tmp"
-      with open(tmp, "w", encoding="utf-8") as f:
-        for r in kept:
-          f.write(json.dumps(r, sort_keys=True) + "\n")
-      os.replace(tmp, self.jsonl_path)
+      write_jsonl(self.jsonl_path,
+                  [r for r in read_jsonl(self.jsonl_path) if r.get("iteration", -1) < start])
     tb = os.path.join(out_dir, "tb")
     if truncate_from is None:
       remove_event_files(tb)

@@ -73,10 +73,15 @@ def test_driver_resumes_a_study_from_its_out_file(tmp_path, monkeypatch):
   assert [(r["seed"], r["salt"], r["algo"], r["iters"]) for r in lines] == [
       (0, False, "rloo", 3), (0, True, "rloo", 3), (1, False, "rloo", 3), (1, True, "rloo", 3)]
   calls.clear()
+  with open(out, "a", encoding="utf-8") as f:
+    f.write('{"seed": 1, "sa')  # a line cut short by a kill: not a run, not an error
   learning_check.main(argv)  # everything is there
   assert calls == []
   learning_check.main(argv[:2] + ["2"] + argv[2:])  # a new seed only
   assert [c[:2] for c in calls] == [(2, False), (2, True)]
+  with open(out, encoding="utf-8") as f:  # the cut line is gone, every run is whole
+    assert [(r["seed"], r["salt"]) for r in map(json.loads, f)] == [
+        (0, False), (0, True), (1, False), (1, True), (2, False), (2, True)]
   calls.clear()
   learning_check.main([a if a != "algo=rloo" else "algo=grpo" for a in argv])  # another method
   assert len(calls) == 4 and {c[2] for c in calls} == {"grpo"}
