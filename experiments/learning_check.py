@@ -41,6 +41,7 @@ import argparse
 import ast
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -58,7 +59,7 @@ from salt_jax import sft
 from salt_jax.agent.prompts import env_prompt_config
 from salt_jax.config import TrainConfig
 from salt_jax.metrics import read_jsonl, write_jsonl
-from salt_jax.models.build import build_policy, build_tokenizer, save_params
+from salt_jax.models.build import build_policy, build_tokenizer, policy_config, save_params
 from salt_jax.sharding import make_mesh
 from salt_jax import train
 from salt_jax.train import Trainer
@@ -86,7 +87,8 @@ class Check:
   epsilon: the noisy expert's chance of a random admissible action per step (the warm start's
     weakness); demo_seeds: listing orders (env seeds) of the demonstrations, each also drawing the
     expert's deviations; sft_steps / sft_lr: cloning; eval_seed / eval_rounds: the fixed
-    measurement (rounds of G trajectories of every task); iters: RL iterations; eval_at: iteration
+    measurement (rounds of G trajectories of every task; eval_group_size: that many instead of G,
+    to compare runs of different G); iters: RL iterations; eval_at: iteration
     counts after which success is also measured (a shorter budget's figure from the same run);
     reasoning: the demonstrations' `<think>` text (`salt_jax.agent.reasoning`; None: empty);
     warm_seed: the seed of the warm start (its demonstrations and cloning); None: the run's seed,
@@ -100,6 +102,7 @@ class Check:
   sft_lr: float = 1e-2
   eval_seed: int = 5000
   eval_rounds: int = 2
+  eval_group_size: Optional[int] = None
   iters: int = 12
   eval_at: tuple = ()
   reasoning: Optional[str] = None
@@ -127,11 +130,10 @@ MERGE_KEYS = ("merged_steps", "gradient_changing_merges", "response_differing_me
               "cross_prompt_merges", "num_steps")
 
 
-def warm_start(check: Check, path: str, seed: int) -> str:
-  """Clones the noisy expert on the training tasks into the tiny policy; saves it at `path`."""
+def _warm_start_inputs(check: Check, seed: int):
+  """(config, tokenizer, demonstration batch, SFTConfig) of `check`'s warm start seeded `seed`."""
   cfg = dataclasses.replace(check.config, seed=seed)
   tok = build_tokenizer(cfg)
-  model = build_policy(cfg, tok, make_mesh("1x1"))
   env = ToyEnv(max_steps=cfg.max_steps, **cfg.env_kwargs)
   demo_seeds = [s + 1000 * seed for s in check.demo_seeds]
   tasks = task_list(cfg.env, cfg.train_split or "train", num_tasks=cfg.num_train_tasks,
@@ -142,16 +144,50 @@ def warm_start(check: Check, path: str, seed: int) -> str:
       demos, tok, pad_id=tok.pad_token_id, min_length=cfg.min_seq_len,
       prompt_config=env_prompt_config(cfg.env, history_window=cfg.prompt_history),
       layout=cfg.layout, reasoning=check.reasoning, seed=seed)
-  sft.behaviour_clone(model, batch, sft.SFTConfig(steps=check.sft_steps, rows=8, lr=check.sft_lr,
-                                                  seed=seed, min_length=cfg.min_seq_len))
+  sft_config = sft.SFTConfig(steps=check.sft_steps, rows=8, lr=check.sft_lr, seed=seed,
+                             min_length=cfg.min_seq_len)
+  return cfg, tok, batch, sft_config
+
+
+def warm_start_key(check: Check, seed: int) -> str:
+  """A digest of what `warm_start(check, _, seed)` clones from: the demonstration tokens, the
+  policy's architecture, dtypes and init seed, and the cloning settings. Checks that differ only in
+  their RL (group size, SALT's history, lr, iterations) share it."""
+  cfg, tok, batch, sft_config = _warm_start_inputs(check, seed)
+  digest = hashlib.sha256()
+  for field in dataclasses.fields(batch):
+    leaf = np.asarray(getattr(batch, field.name))
+    digest.update(f"{field.name}{leaf.dtype}{leaf.shape}".encode())
+    digest.update(np.ascontiguousarray(leaf).tobytes())
+  model = cfg.model if cfg.model is not None else repr(policy_config(cfg, tok))
+  digest.update(repr((model, cfg.param_dtype, cfg.compute_dtype, seed, sft_config)).encode())
+  return digest.hexdigest()[:16]
+
+
+def warm_start(check: Check, path: str, seed: int) -> str:
+  """Clones the noisy expert on the training tasks into the tiny policy; saves it at `path`."""
+  cfg, tok, batch, sft_config = _warm_start_inputs(check, seed)
+  model = build_policy(cfg, tok, make_mesh("1x1"))
+  sft.behaviour_clone(model, batch, sft_config)
   save_params(path, nnx.state(model))
+  return path
+
+
+def cached_warm_start(check: Check, cache_dir: str, seed: int) -> str:
+  """`warm_start` saved under `cache_dir/<warm_start_key>`, cloned only when not already there:
+  the ablations of one warm start clone it once."""
+  path = os.path.join(os.path.abspath(cache_dir), f"warm-{warm_start_key(check, seed)}")
+  if not os.path.isdir(path):
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+      os.replace(warm_start(check, os.path.join(tmp, "params"), seed), path)  # never half-saved
   return path
 
 
 def sampled_success(trainer: Trainer, check: Check) -> dict:
   """`salt_jax.train.sampled_success` of the current policy over `check.eval_rounds` rounds from
   `check.eval_seed`: overall, per task type, per round and per task."""
-  return train.sampled_success(trainer, check.eval_rounds, check.eval_seed)
+  return train.sampled_success(trainer, check.eval_rounds, check.eval_seed, check.eval_group_size)
 
 
 def learning_run(check: Check, seed: int, salt: bool, workdir: str,
@@ -219,7 +255,7 @@ def _run_key(run: dict) -> str:
   """What makes two runs the same experiment (so a finished one in --out is not run again)."""
   return json.dumps({k: run.get(k) for k in (
       "seed", "salt", "algo", "reasoning", "overrides", "epsilon", "sft_steps", "warm_seed",
-      "iters", "eval_at", "eval_rounds")}, sort_keys=True)
+      "iters", "eval_at", "eval_rounds", "eval_group_size")}, sort_keys=True)
 
 
 def main(argv=None):
@@ -230,6 +266,8 @@ def main(argv=None):
   ap.add_argument("--epsilon", type=float, default=Check.epsilon)
   ap.add_argument("--sft-steps", type=int, default=Check.sft_steps)
   ap.add_argument("--eval-rounds", type=int, default=Check.eval_rounds)
+  ap.add_argument("--eval-group-size", type=int, default=None,
+                  help="trajectories per task in each measurement round (default: the run's G)")
   ap.add_argument("--eval-at", type=int, nargs="*", default=[])
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="a TrainConfig override (the value a Python literal)")
@@ -239,9 +277,14 @@ def main(argv=None):
   ap.add_argument("--reasoning", choices=["none", "templated"], default="none",
                   help="the demonstrations' <think> text: empty, or the stand-in reasoning "
                        f"(then max_new_tokens {REASONING_MAX_NEW_TOKENS} unless --set)")
+  ap.add_argument("--warm-dir", default=None,
+                  help="keep the warm start here (keyed by what it clones from) and reuse it: "
+                       "commands that differ only in their RL clone it once (needs --warm-seed)")
   ap.add_argument("--out", default=None, help="append the runs' JSON lines here; a run already "
                                                 "there with the same settings is not run again")
   args = ap.parse_args(argv)
+  if args.warm_dir and args.warm_seed is None:
+    ap.error("--warm-dir keeps one warm start: give --warm-seed")
   reasoning = None if args.reasoning == "none" else args.reasoning
   over = {}
   for item in args.set:
@@ -254,6 +297,7 @@ def main(argv=None):
       LEARNS, max_new_tokens=REASONING_MAX_NEW_TOKENS)
   check = Check(config=dataclasses.replace(config, **over), epsilon=args.epsilon,
                 sft_steps=args.sft_steps, eval_rounds=args.eval_rounds, iters=args.iters,
+                eval_group_size=args.eval_group_size,
                 eval_at=tuple(args.eval_at), warm_seed=args.warm_seed, reasoning=reasoning)
   salts = {"off": [False], "on": [True], "both": [False, True]}[args.salt]
   done = set()
@@ -263,7 +307,8 @@ def main(argv=None):
     done = {_run_key(run) for run in finished}
   settings = dict(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
                   warm_seed=check.warm_seed, algo=check.config.algo, reasoning=args.reasoning,
-                  iters=check.iters, eval_at=list(check.eval_at), eval_rounds=check.eval_rounds)
+                  iters=check.iters, eval_at=list(check.eval_at), eval_rounds=check.eval_rounds,
+                  eval_group_size=check.eval_group_size)
   todo = [(seed, salt) for seed in args.seeds for salt in salts
           if _run_key({**settings, "seed": seed, "salt": salt}) not in done]
   if len(todo) < len(args.seeds) * len(salts):
@@ -272,8 +317,12 @@ def main(argv=None):
   if not todo:
     return
   with tempfile.TemporaryDirectory() as shared:
-    init = None if check.warm_seed is None else warm_start(
-        check, os.path.join(shared, "warm"), check.warm_seed)
+    if check.warm_seed is None:
+      init = None
+    elif args.warm_dir:
+      init = cached_warm_start(check, args.warm_dir, check.warm_seed)
+    else:
+      init = warm_start(check, os.path.join(shared, "warm"), check.warm_seed)
     for seed, salt in todo:
       with tempfile.TemporaryDirectory() as d:
         run = learning_run(check, seed, salt, d, init=init)

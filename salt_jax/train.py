@@ -162,10 +162,12 @@ def merge_metrics(batch, merge, before: np.ndarray) -> dict:
           "gradient_changing_share": changing / merged if merged else float("nan")}
 
 
-def sampled_success(trainer: "Trainer", rounds: int, first_seed: int) -> dict:
-  """Sampled success of the trainer's current policy on its training tasks: `rounds` rounds of G
-  trajectories of every task (`Trainer.collect_rollout`), round r with key and listing-order
-  seed `first_seed + r`; failed trajectories left out.
+def sampled_success(trainer: "Trainer", rounds: int, first_seed: int,
+                    group_size: Optional[int] = None) -> dict:
+  """Sampled success of the trainer's current policy on its training tasks: `rounds` rounds of
+  `group_size` (default: the trainer's G) trajectories of every task (`Trainer.collect_rollout`),
+  round r with key and listing-order seed `first_seed + r`; failed trajectories left out. A fixed
+  `group_size` measures runs that train with different G on the same footing.
 
   Returns {"all": success, <task type>: its success, "valid_steps": the rounds' mean valid-step
   share, "trajectories": how many were counted, "rounds": each round's success, "tasks": {task id:
@@ -175,7 +177,7 @@ def sampled_success(trainer: "Trainer", rounds: int, first_seed: int) -> dict:
   for r in range(rounds):
     seed = first_seed + r
     batch = trainer.collect_rollout(trainer.task_sampler.tasks, jax.random.key(seed), seed=seed,
-                                    group_size=trainer.config.group_size)
+                                    group_size=group_size or trainer.config.group_size)
     kept = ~batch.failed
     won.append(batch.success[kept])
     types.append(np.asarray(batch.task_types)[kept])

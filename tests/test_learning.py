@@ -27,6 +27,7 @@ iterations"): +26.5 to +37.5 under GRPO, +30.5 to +32 under GRPO+SALT (about 4 m
 After 12 and 20 iterations some runs were still under +20 (+12.5 to +27).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -85,6 +86,42 @@ def test_driver_resumes_a_study_from_its_out_file(tmp_path, monkeypatch):
   calls.clear()
   learning_check.main([a if a != "algo=rloo" else "algo=grpo" for a in argv])  # another method
   assert len(calls) == 4 and {c[2] for c in calls} == {"grpo"}
+
+
+def test_warm_dir_clones_once_per_warm_start(tmp_path, monkeypatch):
+  """--warm-dir keys the warm start by what it clones from: commands that change only the RL
+  (SALT's history, the group size) reuse it; another prompt history or epsilon clones anew."""
+  base = learning_check.Check(warm_seed=0, reasoning="templated")
+  key = learning_check.warm_start_key(base, 0)
+  rl_only = dataclasses.replace(base, iters=3, config=dataclasses.replace(
+      base.config, salt_history=1, group_size=4, lr=1e-3, algo="rloo"))
+  assert learning_check.warm_start_key(rl_only, 0) == key
+  assert learning_check.warm_start_key(dataclasses.replace(base, epsilon=0.2), 0) != key
+  assert learning_check.warm_start_key(base, 1) != key
+  assert learning_check.warm_start_key(dataclasses.replace(base, config=dataclasses.replace(
+      base.config, prompt_history=2)), 0) != key
+  assert learning_check.warm_start_key(dataclasses.replace(base, reasoning=None), 0) != key
+
+  clones, inits = [], []
+
+  def fake_clone(check, path, seed):
+    clones.append(seed)
+    os.makedirs(path)
+    return path
+  monkeypatch.setattr(learning_check, "warm_start", fake_clone)
+  monkeypatch.setattr(learning_check, "learning_run",
+                      lambda check, seed, salt, workdir, init=None: inits.append(init) or {})
+  warm = str(tmp_path / "warm")
+  argv = ["--seeds", "0", "--salt", "on", "--warm-seed", "0", "--reasoning", "templated",
+          "--warm-dir", warm]
+  for h in (1, 2):
+    learning_check.main(argv + ["--set", f"salt_history={h}"])
+  assert clones == [0] and len(set(inits)) == 1
+  assert os.listdir(warm) == [os.path.basename(inits[0])]  # no half-saved copy left behind
+  learning_check.main(argv + ["--epsilon", "0.3"])
+  assert clones == [0, 0] and len(os.listdir(warm)) == 2
+  with pytest.raises(SystemExit):  # one warm start per seed would not be one warm start
+    learning_check.main(["--warm-dir", warm])
 
 
 @pytest.fixture(scope="module")

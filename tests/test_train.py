@@ -418,6 +418,14 @@ def test_sampled_success_counts_the_rounds_rollouts(warm, tmp_path):
   assert got["tasks"] == {t: round(float(won[ids == t].mean()), 4) for t in sorted(set(ids))}
   assert got["valid_steps"] == round(float(np.mean(
       [b.metrics["valid_action_ratio"] for b in batches])), 4)
+  with Trainer(dataclasses.replace(cfg, out=str(tmp_path / "ss2"))) as tr:
+    tr.setup()
+    pairs = sampled_success(tr, rounds=1, first_seed=7, group_size=2)  # a fixed G of its own
+    pair_batch = tr.collect_rollout(tr.task_sampler.tasks, jax.random.key(7), seed=7, group_size=2)
+  kept = ~pair_batch.failed
+  assert pairs["trajectories"] == kept.sum() and pair_batch.success.size == 2 * len(
+      set(pair_batch.task_ids))
+  assert pairs["all"] == round(float(pair_batch.success[kept].mean()), 4)
 
 
 def test_microbatches_give_the_same_update(warm, tmp_path):
