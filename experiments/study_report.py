@@ -10,6 +10,7 @@ interval over its games.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -359,14 +360,19 @@ def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
   return out
 
 
-def _measured(r: dict, it: int) -> float:
-  """A learning-check run's measured success after `it` iterations: before RL, after its last
+def _measurement(r: dict, it: int) -> dict:
+  """A learning-check run's measurement after `it` iterations: before RL, after its last
   iteration, or a `mid` measurement (keyed by int in a run, by str once read back from JSON)."""
   if it == 0:
-    return r["before"]["all"]
+    return r["before"]
   if it == r["iters"]:
-    return r["after"]["all"]
-  return r["mid"][str(it)]["all"] if str(it) in r["mid"] else r["mid"][it]["all"]
+    return r["after"]
+  return r["mid"][str(it)] if str(it) in r["mid"] else r["mid"][it]
+
+
+def _measured(r: dict, it: int) -> float:
+  """The measured success of `_measurement(r, it)`."""
+  return _measurement(r, it)["all"]
 
 
 def _checkpoints(runs: list[dict]) -> list[int]:
@@ -486,6 +492,171 @@ def four_methods_figure(runs: list[dict], docs: str) -> list[str]:
   return [_save(fig, docs, "toy_four_methods.png")]
 
 
+# The h and G ablations on the toy tasks: learning-check runs that differ from the four methods'
+# only in SALT's h or in G, compared after SWEEP_ITERS iterations (the four methods' runs measured
+# there too supply h=3 and G=8).
+TOY_SWEEPS = {"h": "toy-history", "G": "toy-group-size"}
+SWEEP_ITERS = 20
+
+
+def _sweep_setting(r: dict) -> tuple:
+  """(algo, salt, h, G) of a learning-check run: h None without SALT; TrainConfig's defaults
+  (h 3, G 8) where the run did not override them."""
+  over = r.get("overrides") or {}
+  return (r["algo"], bool(r["salt"]), over.get("salt_history", 3) if r["salt"] else None,
+          over.get("group_size", 8))
+
+
+def sweep_runs(runs: list[dict], iters: int = SWEEP_ITERS) -> dict[tuple, dict[int, dict]]:
+  """{(algo, salt, h, G): {seed: run}} of the runs measured after `iters` iterations (others are
+  left out). All must be measured with the same trajectories per task (`eval_group_size`, else
+  their G); one setting and seed run twice must agree up to `iters` (then it is kept once)."""
+  out: dict = {}
+  measured_g = set()
+  for r in runs:
+    if not (r["iters"] == iters or str(iters) in r["mid"] or iters in r["mid"]):
+      continue
+    key = _sweep_setting(r)
+    measured_g.add(r.get("eval_group_size") or key[3])
+    seen = out.setdefault(key, {}).get(r["seed"])
+    if seen is not None and (_measured(seen, iters) != _measured(r, iters)
+                             or seen["curve"][:iters] != r["curve"][:iters]):
+      raise ValueError(f"two runs of {key}, seed {r['seed']} disagree within {iters} iterations")
+    out[key][r["seed"]] = seen or r
+  if len(measured_g) > 1:
+    raise ValueError(f"runs measured with different group sizes {sorted(measured_g)}: "
+                     "give the ablation --eval-group-size")
+  return out
+
+
+def _upto(r: dict, iters: int) -> dict:
+  """What a run shows after `iters` iterations: measured success, the training rollouts' mean
+  success over its last LATE_ITERS iterations, and SALT's merge totals over those `iters`."""
+  merges = {k: sum(v[:iters]) for k, v in r["merges"].items()}
+  return {"success": _measured(r, iters),
+          "late": statistics.fmean(r["curve"][max(0, iters - LATE_ITERS):iters]), **merges}
+
+
+def sweep_rows(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> list[dict]:
+  """One row per setting of the `param` ("h" or "G") sweep of GRPO: {"label", "value", "salt",
+  "seeds", "success": t-interval, "paired" / "paired_late": (SALT minus GRPO at the same G and
+  seed, success after `iters` / training rollouts' last LATE_ITERS) t-interval and per-seed list,
+  "merged", "gradient_changing", "response_differing" shares}."""
+  if param not in TOY_SWEEPS:
+    raise ValueError(f"param must be one of {sorted(TOY_SWEEPS)}, got {param!r}")
+  by = {k: v for k, v in sweep_runs(runs, iters).items() if k[0] == "grpo"
+        and (k[3] == 8 if param == "h" else k[2] in (None, 3))}
+  rows = []
+  for (algo, salt, h, g), seeds in sorted(by.items(), key=lambda kv: (
+      kv[0][3], kv[0][1], kv[0][2] or 0)):
+    at = {seed: _upto(r, iters) for seed, r in sorted(seeds.items())}
+    base = by.get((algo, False, None, g), {})
+    pairs = [(seed, at[seed], _upto(base[seed], iters)) for seed in at if salt and seed in base]
+    tot = {k: sum(a[k] for a in at.values()) for k in (
+        "num_steps", "merged_steps", "gradient_changing_merges", "response_differing_merges")}
+    merged = tot["merged_steps"]
+    rows.append({
+        "label": (f"GRPO+SALT, h={h}" if salt else "GRPO") + ("" if param == "h" else f", G={g}"),
+        "value": h if param == "h" else g, "salt": salt, "seeds": sorted(at),
+        "success": interval([a["success"] for a in at.values()],  # a rate: clipped to [0, 1]
+                            _measurement(next(iter(seeds.values())), iters).get("trajectories", 0)),
+        "paired": [(seed, a["success"] - b["success"]) for seed, a, b in pairs],
+        "paired_late": [(seed, a["late"] - b["late"]) for seed, a, b in pairs],
+        "merged": merged / tot["num_steps"] if salt and tot["num_steps"] else math.nan,
+        "gradient_changing": tot["gradient_changing_merges"] / merged if merged else math.nan,
+        "response_differing": tot["response_differing_merges"] / merged if merged else math.nan})
+  return rows
+
+
+def _paired_cell(pairs: list) -> str:
+  d = [x for _, x in pairs]
+  if not d:
+    return "-"
+  wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
+  return f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}"
+
+
+def sweep_table(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> str:
+  """The `param` sweep as markdown: success after `iters` iterations per setting and SALT minus
+  GRPO per seed (paired), with 95% t-intervals, and SALT's merges."""
+  rows = sweep_rows(runs, param, iters)
+  if not rows:
+    raise ValueError(f"no runs measured after {iters} iterations")
+  lines = [f"| setting | seeds | success after {iters} % (95% CI) | SALT - GRPO after {iters}, "
+           "points (95% CI; wins/ties/losses) | SALT - GRPO, training rollouts of iterations "
+           f"{max(1, iters - LATE_ITERS + 1)}-{iters} | merged steps % | of merged: gradient "
+           "changes % | of merged: responses differ % |", "|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    m, lo, hi = row["success"]
+    ci = "" if math.isnan(lo) else f" ({_pct(lo)} to {_pct(hi)})"
+    lines.append(f"| {row['label']} | {len(row['seeds'])} | {_pct(m)}{ci} | "
+                 f"{_paired_cell(row['paired'])} | {_paired_cell(row['paired_late'])} | "
+                 + " | ".join("-" if math.isnan(row[k]) else _pct(row[k]) for k in (
+                     "merged", "gradient_changing", "response_differing")) + " |")
+  return "\n".join(lines)
+
+
+def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITERS) -> list[str]:
+  """Success after `iters` against h or G (GRPO and GRPO+SALT, 95% t-intervals), SALT minus GRPO
+  per seed, and SALT's merged and gradient-changing shares."""
+  _, plt = _pyplot()
+  rows = sweep_rows(runs, param, iters)
+  fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(16, 4.2))
+  salt = [r for r in rows if r["salt"]]
+  base = [r for r in rows if not r["salt"]]
+  name = {"h": "SALT history h", "G": "group size G"}[param]
+  xs = [r["value"] for r in salt]
+  _errorbar(a0, xs, [r["success"] for r in salt], label="GRPO+SALT")
+  if param == "h":
+    for r in base:  # one GRPO: h is SALT's
+      m, lo, hi = r["success"]
+      a0.axhline(m, color="gray", label=f"GRPO ({len(r['seeds'])} seeds)")
+      if not math.isnan(lo):
+        a0.axhspan(lo, hi, color="gray", alpha=0.12)
+  else:
+    _errorbar(a0, [r["value"] for r in base], [r["success"] for r in base], label="GRPO")
+  a0.set(xlabel=name, ylabel=f"success after {iters} iterations", xticks=sorted(set(xs)),
+         title=f"success against {param}")
+  a0.legend(fontsize=8)
+  for x, r in zip(xs, salt):
+    d = [100 * v for _, v in r["paired"]]
+    a1.scatter([x] * len(d), d, alpha=0.5, color="tab:blue")
+    m, lo, hi = t_interval(d)
+    if not math.isnan(lo):
+      a1.errorbar([x + 0.12 * (max(xs) - min(xs) or 1) / 4], [m], yerr=[[m - lo], [hi - m]],
+                  marker="o", capsize=5, color="k")
+  a1.axhline(0, color="grey", lw=0.8)
+  a1.set(xlabel=name, ylabel="points", xticks=sorted(set(xs)),
+         title=f"GRPO+SALT minus GRPO after {iters}, per seed")
+  a2.plot(xs, [r["merged"] for r in salt], marker="o", label="merged (of steps)")
+  a2.plot(xs, [r["gradient_changing"] for r in salt], marker="s",
+          label="gradient-changing (of merged)")
+  a2.set(xlabel=name, ylabel="share", xticks=sorted(set(xs)), ylim=(0, 1),
+         title=f"SALT's merges, first {iters} iterations")
+  a2.legend(fontsize=8)
+  return [_save(fig, docs, f"{TOY_SWEEPS[param].replace('-', '_')}.png")]
+
+
+def toy_runs(out: str) -> dict[str, list[dict]]:
+  """The learning-check runs under `out`: {"four-methods": its runs.jsonl, "h" / "G": the
+  four methods' runs and the sweep's own files (`out`/toy-history/*.jsonl, ...)}; only those
+  present."""
+  from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
+  found = {}
+  four = os.path.join(out, TOY_FOUR_METHODS, "runs.jsonl")
+  base = read_jsonl(four) if os.path.exists(four) else []
+  if base:
+    found["four-methods"] = base
+  for param, folder in TOY_SWEEPS.items():
+    files = sorted(glob.glob(os.path.join(out, folder, "*.jsonl")))
+    if files:
+      own = [r for f in files for r in read_jsonl(f)]
+      seeds = {r["seed"] for r in own}
+      if own:
+        found[param] = own + [r for r in base if r["seed"] in seeds]
+  return found
+
+
 def docs_dir(out: str) -> str:
   """Where figures go: docs/ for the default docs/study, else `out` itself."""
   docs = os.path.dirname(os.path.abspath(out)) if os.path.basename(out) == "study" else out
@@ -536,15 +707,20 @@ def report(out: str) -> str:
     else:
       figs = matching_figure(s, docs)
     md += [f"![{name}]({os.path.relpath(f, docs)})" for f in figs] + [""]
-  toy = os.path.join(out, TOY_FOUR_METHODS, "runs.jsonl")
-  if os.path.exists(toy):
-    from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
-    runs = read_jsonl(toy)
+  toy = toy_runs(out)
+  if "four-methods" in toy:
+    runs = toy["four-methods"]
     md += [f"## The four methods on the toy tasks ({TOY_FOUR_METHODS}; "
            "`experiments/learning_check.py`)", "", "Sampled success on the 4 training tasks "
            "(fixed keys neither training nor cloning uses).", "", four_methods_tables(runs), ""]
     md += [f"![toy four methods]({os.path.relpath(f, docs)})"
            for f in four_methods_figure(runs, docs)] + [""]
+  for param in ("h", "G"):
+    if param in toy:
+      md += [f"## {param} on the toy tasks ({TOY_SWEEPS[param]} with {TOY_FOUR_METHODS}'s runs "
+             "of the same seeds)", "", sweep_table(toy[param], param, SWEEP_ITERS), ""]
+      md += [f"![toy {param}]({os.path.relpath(f, docs)})"
+             for f in sweep_figure(toy[param], param, docs, SWEEP_ITERS)] + [""]
   text = "\n".join(md)
   with open(os.path.join(docs, "results.md"), "w", encoding="utf-8") as f:
     f.write(text)

@@ -321,3 +321,81 @@ def test_four_methods_tables_and_figure(tmp_path):
     f.write("\n".join(json.dumps(r) for r in runs) + "\n")
   md = study_report.report(str(out))
   assert "The four methods on the toy tasks" in md and "toy_four_methods.png" in md
+
+
+def _sweep_run(salt, seed, after, *, h=None, g=None, iters=2, curve=(0.2, 0.4), eval_g=None):
+  """A learning_check.py line of an ablation: SALT's h and G as --set overrides."""
+  run = _check_run("grpo", salt, seed, 0.5, 0.5, after, iters=iters)
+  run["curve"] = list(curve)[:iters]
+  run["overrides"] = {k: v for k, v in (("salt_history", h), ("group_size", g)) if v is not None}
+  run["eval_group_size"] = eval_g
+  return run
+
+
+def test_sweep_rows_pair_each_h_with_grpo_of_the_same_seed():
+  """The h sweep: GRPO and h=3 from the four methods' runs (measured after 2 of their 4
+  iterations), h=1 from the sweep's own 2-iteration runs; SALT minus GRPO per seed."""
+  four = [_check_run("grpo", salt, s, 0.5, 0.4 + 0.1 * s + 0.05 * salt, 0.9) for s in (0, 1)
+          for salt in (False, True)]
+  own = [_sweep_run(True, s, 0.3 + 0.2 * s, h=1, curve=(0.1, 0.5)) for s in (0, 1)]
+  rows = study_report.sweep_rows(four + own, "h", iters=2)
+  assert [(r["label"], r["value"], r["seeds"]) for r in rows] == [
+      ("GRPO", None, [0, 1]), ("GRPO+SALT, h=1", 1, [0, 1]), ("GRPO+SALT, h=3", 3, [0, 1])]
+  grpo, h1, h3 = rows
+  assert grpo["success"][0] == pytest.approx(0.45) and grpo["paired"] == []
+  assert [d for _, d in h1["paired"]] == pytest.approx([-0.1, 0.0])
+  assert [d for _, d in h3["paired"]] == pytest.approx([0.05, 0.05])
+  # training rollouts of the first 2 iterations: the fakes' curves are 0.1, 0.2 ... (four) and
+  # 0.1, 0.5 (own)
+  assert [d for _, d in h1["paired_late"]] == pytest.approx([0.15, 0.15])
+  assert h1["merged"] == pytest.approx(0.2) and h1["gradient_changing"] == pytest.approx(0.5)
+  assert math.isnan(grpo["merged"])
+  text = study_report.sweep_table(four + own, "h", iters=2)
+  assert "| GRPO+SALT, h=1 | 2 | 40.0 (" in text
+  assert "| GRPO | 2 | 45.0 (" in text and "+5.0 (+5.0 to +5.0); 2/0/0" in text
+  assert "-5.0 (-68.5 to +58.5); 0/1/1" in text
+
+
+def test_sweep_runs_refuse_what_would_mislead(tmp_path):
+  """Runs of another G measured with their own G are refused (give --eval-group-size); a
+  setting run twice must agree; runs not measured after `iters` are left out."""
+  base = [_sweep_run(False, 0, 0.5), _sweep_run(True, 0, 0.6)]
+  g4 = [_sweep_run(False, 0, 0.4, g=4), _sweep_run(True, 0, 0.45, g=4)]
+  with pytest.raises(ValueError, match="different group sizes"):
+    study_report.sweep_runs(base + g4, 2)
+  fixed = [dict(r, eval_group_size=8) for r in g4]
+  rows = study_report.sweep_rows(base + fixed, "G", iters=2)
+  assert [(r["label"], r["value"]) for r in rows] == [
+      ("GRPO, G=4", 4), ("GRPO+SALT, h=3, G=4", 4), ("GRPO, G=8", 8), ("GRPO+SALT, h=3, G=8", 8)]
+  assert [d for _, d in rows[1]["paired"]] == pytest.approx([0.05])  # paired within its own G
+  assert study_report.sweep_runs(base + base, 2) == study_report.sweep_runs(base, 2)
+  with pytest.raises(ValueError, match="disagree"):
+    study_report.sweep_runs(base + [_sweep_run(True, 0, 0.7)], 2)
+  assert study_report.sweep_runs(base, 3) == {}  # nothing measured after 3 iterations
+  with pytest.raises(ValueError, match="no runs"):
+    study_report.sweep_table(base, "h", iters=3)
+  with pytest.raises(ValueError, match="param"):
+    study_report.sweep_rows(base, "lr")
+  (path,) = study_report.sweep_figure(base + fixed, "G", str(tmp_path), iters=2)
+  assert os.path.basename(path) == "toy_group_size.png" and os.path.getsize(path) > 0
+
+
+def test_report_adds_the_sweeps_with_the_four_methods_runs_of_their_seeds(tmp_path, monkeypatch):
+  monkeypatch.setattr(study_report, "SWEEP_ITERS", 2)  # the fakes' budget
+  out = tmp_path / "docs" / "study"
+  (out / study_report.TOY_FOUR_METHODS).mkdir(parents=True)
+  (out / "toy-history").mkdir()
+  four = [_sweep_run(salt, s, 0.5 + 0.1 * salt) for s in (0, 1, 2) for salt in (False, True)]
+  with open(out / study_report.TOY_FOUR_METHODS / "runs.jsonl", "w", encoding="utf-8") as f:
+    f.write("\n".join(json.dumps(r) for r in four) + "\n")
+  for name, seed in (("runs-a.jsonl", 0), ("runs-b.jsonl", 1)):  # one file per worker
+    with open(out / "toy-history" / name, "w", encoding="utf-8") as f:
+      f.write(json.dumps(_sweep_run(True, seed, 0.55, h=5)) + "\n")
+  found = study_report.toy_runs(str(out))
+  assert len(found["four-methods"]) == 6 and "G" not in found
+  assert sorted((r["seed"], study_report._sweep_setting(r)[2] or 0) for r in found["h"]) == [
+      (0, 0), (0, 3), (0, 5), (1, 0), (1, 3), (1, 5)]  # seed 2 has no h run
+  (out / "toy-history" / "runs-b.jsonl").write_text("")  # an empty worker file is no run
+  md = study_report.report(str(out))
+  assert "## h on the toy tasks" in md and "toy_history.png" in md
+  assert "| GRPO+SALT, h=5 | 1 | 55.0 (" in md  # one seed: a Wilson interval over its games

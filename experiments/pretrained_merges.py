@@ -1,0 +1,163 @@
+"""A pretrained chat model in verl-agent's setting: its valid actions and SALT's merges for each h.
+
+One rollout of the trainer (`Trainer.collect_rollout`, sampled at temperature 1): G trajectories of
+each of the first `--tasks` training tasks, with the "verl-agent" recipe's prompts (the step
+counter and the last 2 observation/action pairs) and reward rule, at most `--max-steps` steps.
+From that one rollout SALT's merge graph is built for every h in `--histories`
+(`graph.build_merge_ids`, exact matching, as the trainer does) and read as the trainer logs it
+(`train.merge_metrics`): merged steps, those whose merged edge holds different responses or
+different prompts, and those whose members' advantages differ on different samples (the merges that
+change the policy gradient). The rollout's valid-action share (a parsable `<action>`, the recipe's
+rule), the parser's verdicts and its success come with it.
+
+SmolLM2-135M-Instruct on the bundled ALFWorld tasks (issue #21; the GGUF is fetched once with
+`python -m salt_jax.models.gguf fetch-smollm2`, no hub access at run time):
+
+  PYTHONPATH=. python experiments/pretrained_merges.py --env alfworld --tasks 8 --group-size 8 \\
+      --max-steps 15 --out docs/study/smollm2-merges/rollout.json
+
+`--model` takes any local checkpoint folder or .gguf file; without one (and without the GGUF) the
+command names what is missing. The JSON holds the settings, the rollout's figures and one row per
+h; each trajectory's actions are kept beside them (`--out`'s `.actions.jsonl`) so the merges can be
+read back by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from salt_jax.config import TrainConfig
+from salt_jax.graph import build_merge_ids
+from salt_jax.metrics import write_jsonl
+from salt_jax.train import Trainer, merge_metrics
+
+HISTORIES = (1, 2, 3, 4, 5)
+
+
+def rollout_config(model: Optional[str], env: str, tasks: int, group_size: int, max_steps: int,
+                   max_new_tokens: int, max_cache_len: int, seed: int, **overrides) -> TrainConfig:
+  """The verl-agent recipe at rollout scale: `tasks` tasks of G trajectories, one rollout."""
+  return TrainConfig.from_recipe(
+      "verl-agent", model=model, env=env, group_size=group_size, tasks_per_iter=tasks,
+      num_train_tasks=tasks, max_steps=max_steps, max_new_tokens=max_new_tokens,
+      max_cache_len=max_cache_len, seed=seed, salt=True, env_workers=0, progress=False,
+      tensorboard=False, iters=1, **overrides)
+
+
+def merges_by_history(batch, before: np.ndarray, histories: Sequence[int]) -> list[dict]:
+  """SALT's exact merges of `batch` (a trainable `RolloutBatch`) at each h, as the trainer logs
+  them, with shares of the merged steps; `before`: the steps' group advantages."""
+  trajs, groups = batch.trajectories_for_salt()
+  valid = np.asarray(batch.step_valid, bool)
+  rows = []
+  for h in histories:
+    merge = build_merge_ids(trajs, groups, history=h)
+    m = merge_metrics(batch, merge, before)
+    merged_mask = np.bincount(merge.ids)[merge.ids] > 1
+    merged = int(m["merged_steps"])
+    share = lambda k: round(m[k] / merged, 4) if merged else None  # noqa: E731
+    rows.append({
+        "h": h, "steps": int(batch.num_total_steps), "merged_steps": merged,
+        "merge_rate": round(float(m["merge_rate"]), 4),
+        "merged_share": round(merged / batch.num_total_steps, 4) if batch.num_total_steps else None,
+        "response_differing_merges": int(m["response_differing_merges"]),
+        "response_differing_share": share("response_differing_merges"),
+        "prompt_differing_merges": int(m["cross_prompt_merges"]),
+        "prompt_differing_share": share("cross_prompt_merges"),
+        "gradient_changing_merges": int(m["gradient_changing_merges"]),
+        "gradient_changing_share": share("gradient_changing_merges"),
+        "merged_valid_share": round(float(valid[merged_mask].mean()), 4) if merged else None})
+  return rows
+
+
+def measure(cfg: TrainConfig, histories: Sequence[int] = HISTORIES) -> dict:
+  """One rollout of `cfg`'s training tasks and its merges at each h."""
+  t0 = time.time()
+  with Trainer(cfg) as tr:
+    tr.setup()
+    t_setup = time.time() - t0
+    full = tr.collect_rollout(tr.task_sampler.tasks[:cfg.tasks_per_iter],
+                              jax.random.key(cfg.seed), seed=cfg.seed, group_size=cfg.group_size)
+    t_rollout = time.time() - t0 - t_setup
+    batch = full.trainable()
+    if batch.num_total_steps == 0:
+      raise RuntimeError(f"every one of the {full.num_trajectories} trajectories failed")
+    before, _, _, _ = tr.step_advantages(batch)  # the group advantages do not depend on h
+  rm = full.metrics
+  return {
+      "model": cfg.model or "tiny random policy", "env": cfg.env, "tasks": cfg.tasks_per_iter,
+      "group_size": cfg.group_size, "max_steps": cfg.max_steps,
+      "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+      "trajectories": int(full.num_trajectories), "failed": int(full.failed.sum()),
+      "steps": int(batch.num_total_steps),
+      "valid_action_share": round(float(rm["valid_action_ratio"]), 4),
+      "parse_reasons": dict(collections.Counter(batch.parse_reasons).most_common()),
+      "success": round(float(rm["success_rate"]), 4),
+      "mean_response_tokens": round(float(np.mean([len(r) for r in batch.response_ids])), 1),
+      "by_history": merges_by_history(batch, before, histories),
+      "seconds": {"setup": round(t_setup, 1), "rollout": round(t_rollout, 1),
+                  "generate": round(float(rm["gen_time_s"]), 1)},
+      "actions": [list(a) for a in _trajectory_actions(batch)]}
+
+
+def _trajectory_actions(batch) -> list[list[str]]:
+  """Each trajectory's actions in order (the merges' raw material)."""
+  out: dict = {}
+  for traj, action in zip(batch.step_traj_ids, batch.actions):
+    out.setdefault(int(traj), []).append(action)
+  return [out[k] for k in sorted(out)]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default=None, help="a local checkpoint folder or .gguf file "
+                  "(default: the SmolLM2-135M-Instruct GGUF, `gguf.smollm2_path()`)")
+  ap.add_argument("--tiny", action="store_true", help="the untrained tiny policy instead (a "
+                  "quick check of the command; its actions are noise)")
+  ap.add_argument("--env", default="alfworld")
+  ap.add_argument("--tasks", type=int, default=8)
+  ap.add_argument("--group-size", type=int, default=8)
+  ap.add_argument("--max-steps", type=int, default=15)
+  ap.add_argument("--max-new-tokens", type=int, default=128)
+  ap.add_argument("--max-cache-len", type=int, default=2048)
+  ap.add_argument("--histories", type=int, nargs="+", default=list(HISTORIES))
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                  help="a TrainConfig override (the value a JSON literal)")
+  ap.add_argument("--out", default=None, help="write the result here (JSON)")
+  args = ap.parse_args(argv)
+  model = args.model
+  if model is None and not args.tiny:
+    from salt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
+    try:
+      model = str(smollm2_path())
+    except ModuleNotFoundError:
+      ap.error("no --model and no SmolLM2 GGUF: run `python -m salt_jax.models.gguf "
+               "fetch-smollm2` once, or pass --model (or --tiny)")
+  over = {}
+  for item in args.set:
+    k, v = item.split("=", 1)
+    over[k] = json.loads(v)
+  cfg = rollout_config(model, args.env, args.tasks, args.group_size, args.max_steps,
+                       args.max_new_tokens, args.max_cache_len, args.seed, **over)
+  result = measure(cfg, args.histories)
+  actions = result.pop("actions")
+  print(json.dumps(result, indent=1), flush=True)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+    write_jsonl(os.path.splitext(args.out)[0] + ".actions.jsonl",
+                [{"trajectory": i, "actions": a} for i, a in enumerate(actions)])
+
+
+if __name__ == "__main__":
+  main()
