@@ -18,8 +18,8 @@ SmolLM2-135M-Instruct on the bundled ALFWorld tasks (issue #21; the GGUF is fetc
 
 `--model` takes any local checkpoint folder or .gguf file; without one (and without the GGUF) the
 command names what is missing. The JSON holds the settings, the rollout's figures and one row per
-h; each trajectory's actions are kept beside them (`--out`'s `.actions.jsonl`) so the merges can be
-read back by hand.
+h; each trajectory's responses and parsed actions are kept beside them (`--out`'s `.steps.jsonl`) so
+the merges can be read back by hand.
 """
 
 from __future__ import annotations
@@ -105,14 +105,16 @@ def measure(cfg: TrainConfig, histories: Sequence[int] = HISTORIES) -> dict:
       "by_history": merges_by_history(batch, before, histories),
       "seconds": {"setup": round(t_setup, 1), "rollout": round(t_rollout, 1),
                   "generate": round(float(rm["gen_time_s"]), 1)},
-      "actions": [list(a) for a in _trajectory_actions(batch)]}
+      "trajectories_steps": _trajectory_steps(batch)}
 
 
-def _trajectory_actions(batch) -> list[list[str]]:
-  """Each trajectory's actions in order (the merges' raw material)."""
+def _trajectory_steps(batch) -> list[dict]:
+  """Each trajectory's responses and parsed actions in order (the merges' raw material)."""
   out: dict = {}
-  for traj, action in zip(batch.step_traj_ids, batch.actions):
-    out.setdefault(int(traj), []).append(action)
+  for traj, response, action in zip(batch.step_traj_ids, batch.responses, batch.actions):
+    steps = out.setdefault(int(traj), {"trajectory": int(traj), "actions": [], "responses": []})
+    steps["actions"].append(action)
+    steps["responses"].append(response)
   return [out[k] for k in sorted(out)]
 
 
@@ -149,14 +151,13 @@ def main(argv=None):
   cfg = rollout_config(model, args.env, args.tasks, args.group_size, args.max_steps,
                        args.max_new_tokens, args.max_cache_len, args.seed, **over)
   result = measure(cfg, args.histories)
-  actions = result.pop("actions")
+  steps = result.pop("trajectories_steps")
   print(json.dumps(result, indent=1), flush=True)
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=1)
-    write_jsonl(os.path.splitext(args.out)[0] + ".actions.jsonl",
-                [{"trajectory": i, "actions": a} for i, a in enumerate(actions)])
+    write_jsonl(os.path.splitext(args.out)[0] + ".steps.jsonl", steps)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,10 @@ def test_command_writes_the_rollout_and_its_actions(tmp_path):
   assert [r["h"] for r in got["by_history"]] == [1, 3]
   assert got["trajectories"] == 8 and got["model"] == "tiny random policy"
   assert sum(got["parse_reasons"].values()) == got["steps"]
-  actions = [json.loads(x) for x in (tmp_path / "merges.actions.jsonl").read_text().splitlines()]
-  assert len(actions) == got["trajectories"] - got["failed"]
-  assert sum(len(a["actions"]) for a in actions) == got["steps"]
+  steps = [json.loads(x) for x in (tmp_path / "merges.steps.jsonl").read_text().splitlines()]
+  assert len(steps) == got["trajectories"] - got["failed"]
+  assert sum(len(t["actions"]) for t in steps) == got["steps"]
+  assert all(len(t["responses"]) == len(t["actions"]) for t in steps)
 
 
 def test_no_model_names_what_is_missing(monkeypatch, capsys):
