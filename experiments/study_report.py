@@ -618,16 +618,22 @@ def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITE
   a0.set(xlabel=name, ylabel=f"success after {iters} iterations", xticks=sorted(set(xs)),
          title=f"success against {param}")
   a0.legend(fontsize=8)
-  for x, r in zip(xs, salt):
-    d = [100 * v for _, v in r["paired"]]
-    a1.scatter([x] * len(d), d, alpha=0.5, color="tab:blue")
-    m, lo, hi = t_interval(d)
-    if not math.isnan(lo):
-      a1.errorbar([x + 0.12 * (max(xs) - min(xs) or 1) / 4], [m], yerr=[[m - lo], [hi - m]],
-                  marker="o", capsize=5, color="k")
+  step = 0.12 * ((max(xs) - min(xs)) or 4) / 4 if xs else 0.0
+  for key, color, label, shift in (
+      ("paired", "k", f"measured after {iters}", step),
+      ("paired_late", "tab:orange", f"training rollouts, iterations "
+       f"{max(1, iters - LATE_ITERS + 1)}-{iters}", 2 * step)):
+    for i, (x, r) in enumerate(zip(xs, salt)):
+      d = [100 * v for _, v in r[key]]
+      a1.scatter([x + shift - step] * len(d), d, alpha=0.4, color=color, s=12)
+      m, lo, hi = t_interval(d)
+      if not math.isnan(lo):
+        a1.errorbar([x + shift], [m], yerr=[[m - lo], [hi - m]], marker="o", capsize=5,
+                    color=color, label=label if i == 0 else None)
   a1.axhline(0, color="grey", lw=0.8)
   a1.set(xlabel=name, ylabel="points", xticks=sorted(set(xs)),
-         title=f"GRPO+SALT minus GRPO after {iters}, per seed")
+         title="GRPO+SALT minus GRPO, per seed (dots) and mean with 95% CI")
+  a1.legend(fontsize=8)
   a2.plot(xs, [r["merged"] for r in salt], marker="o", label="merged (of steps)")
   a2.plot(xs, [r["gradient_changing"] for r in salt], marker="s",
           label="gradient-changing (of merged)")
