@@ -633,7 +633,8 @@ def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITE
   a1.axhline(0, color="grey", lw=0.8)
   a1.set(xlabel=name, ylabel="points", xticks=sorted(set(xs)),
          title="GRPO+SALT minus GRPO, per seed (dots) and mean with 95% CI")
-  a1.legend(fontsize=8)
+  if a1.get_legend_handles_labels()[0]:  # one seed: dots only, no interval to label
+    a1.legend(fontsize=8)
   a2.plot(xs, [r["merged"] for r in salt], marker="o", label="merged (of steps)")
   a2.plot(xs, [r["gradient_changing"] for r in salt], marker="s",
           label="gradient-changing (of merged)")
