@@ -33,6 +33,11 @@ with two at a time on this 2-core machine):
       --reasoning templated --set lr=3e-4 --set prompt_history=2 --set reward_scale=10.0 \
       --set invalid_action_penalty=0.1 --set invalid_step=format --set algo=grpo \
       --out docs/study/toy-four-methods/runs.jsonl      # and --set algo=rloo
+
+The h and G ablations (docs/study.md) are the same command with --iters 20 --eval-at 10, seeds
+0 1 2, and --set salt_history=H --salt on (docs/study/toy-history) or --set group_size=G
+--eval-group-size 8 --salt both (docs/study/toy-group-size: each G measured on 8 trajectories a
+task, as G = 8 is); --warm-dir keeps the one warm start between the commands.
 """
 
 from __future__ import annotations
