@@ -419,6 +419,15 @@ def _ci(stat, scale=100.0) -> str:
   return f"{scale * m:+.1f} ({scale * lo:+.1f} to {scale * hi:+.1f})"
 
 
+def _paired_cell(pairs: list) -> str:
+  """Paired differences [(seed, d)] as "mean (95% t-interval); wins/ties/losses", in points."""
+  d = [x for _, x in pairs]
+  if not d:
+    return "-"
+  wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
+  return f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}"
+
+
 def four_methods_tables(runs: list[dict]) -> str:
   """Success per method after each measured iteration count (mean and 95% t-interval over seeds),
   SALT's merges, and SALT minus its base per seed (paired) with its 95% t-interval."""
@@ -454,12 +463,9 @@ def four_methods_tables(runs: list[dict]) -> str:
             "|---|---|" + "---|" * len(its)]
   effects = {i: paired_effects(runs, i) for i in its[1:] + ["late"]}
   for algo in sorted(effects["late"]):
-    cells = []
-    for i in its[1:] + ["late"]:
-      d = [x for _, x in effects[i][algo]]
-      wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
-      cells.append(f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}")
-    lines.append(f"| {algo}+SALT - {algo} | {len(d)} | " + " | ".join(cells) + " |")
+    cells = [_paired_cell(effects[i][algo]) for i in its[1:] + ["late"]]
+    lines.append(f"| {algo}+SALT - {algo} | {len(effects['late'][algo])} | " + " | ".join(cells)
+                 + " |")
   return "\n".join(lines)
 
 
@@ -566,14 +572,6 @@ def sweep_rows(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> list[d
         "gradient_changing": tot["gradient_changing_merges"] / merged if merged else math.nan,
         "response_differing": tot["response_differing_merges"] / merged if merged else math.nan})
   return rows
-
-
-def _paired_cell(pairs: list) -> str:
-  d = [x for _, x in pairs]
-  if not d:
-    return "-"
-  wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
-  return f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}"
 
 
 def sweep_table(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> str:
