@@ -43,7 +43,6 @@ task, as G = 8 is); --warm-dir keeps the one warm start between the commands.
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import dataclasses
 import hashlib
@@ -62,7 +61,7 @@ from envs.registry import task_list
 from envs.toy import ToyEnv
 from salt_jax import sft
 from salt_jax.agent.prompts import env_prompt_config
-from salt_jax.config import TrainConfig
+from salt_jax.config import TrainConfig, parse_overrides
 from salt_jax.metrics import read_jsonl, write_jsonl
 from salt_jax.models.build import build_policy, build_tokenizer, policy_config, save_params
 from salt_jax.sharding import make_mesh
@@ -291,13 +290,10 @@ def main(argv=None):
   if args.warm_dir and args.warm_seed is None:
     ap.error("--warm-dir keeps one warm start: give --warm-seed")
   reasoning = None if args.reasoning == "none" else args.reasoning
-  over = {}
-  for item in args.set:
-    k, v = item.split("=", 1)
-    try:
-      over[k] = ast.literal_eval(v)
-    except (ValueError, SyntaxError):
-      over[k] = v
+  try:
+    over = parse_overrides(args.set)
+  except ValueError as e:
+    ap.error(str(e))
   config = LEARNS if reasoning is None else dataclasses.replace(
       LEARNS, max_new_tokens=REASONING_MAX_NEW_TOKENS)
   check = Check(config=dataclasses.replace(config, **over), epsilon=args.epsilon,

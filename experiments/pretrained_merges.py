@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from salt_jax.config import TrainConfig
+from salt_jax.config import TrainConfig, parse_overrides
 from salt_jax.graph import build_merge_ids
 from salt_jax.metrics import write_jsonl
 from salt_jax.train import Trainer, merge_metrics
@@ -133,7 +133,7 @@ def main(argv=None):
   ap.add_argument("--histories", type=int, nargs="+", default=list(HISTORIES))
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                  help="a TrainConfig override (the value a JSON literal)")
+                  help="a TrainConfig override (the value a Python literal, else a string)")
   ap.add_argument("--out", default=None, help="write the result here (JSON)")
   args = ap.parse_args(argv)
   model = args.model
@@ -144,10 +144,10 @@ def main(argv=None):
     except ModuleNotFoundError:
       ap.error("no --model and no SmolLM2 GGUF: run `python -m salt_jax.models.gguf "
                "fetch-smollm2` once, or pass --model (or --tiny)")
-  over = {}
-  for item in args.set:
-    k, v = item.split("=", 1)
-    over[k] = json.loads(v)
+  try:
+    over = parse_overrides(args.set)
+  except ValueError as e:
+    ap.error(str(e))
   cfg = rollout_config(model, args.env, args.tasks, args.group_size, args.max_steps,
                        args.max_new_tokens, args.max_cache_len, args.seed, **over)
   result = measure(cfg, args.histories)

@@ -18,11 +18,12 @@ This module imports no jax: the command line builds a config before it fixes the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from salt_jax.recipes import RECIPES
 
@@ -344,3 +345,22 @@ def section_of(name: str) -> type:
     if name in {f.name for f in dataclasses.fields(section)}:
       return section
   raise KeyError(name)
+
+
+def parse_overrides(items: Sequence[str]) -> dict:
+  """`TrainConfig` overrides from "FIELD=VALUE" strings (the scripts' `--set`): each value a Python
+  literal (`lr=3e-4`, `env_kwargs={"num_rooms": 2}`), else the bare string (`tokenizer=toy`).
+  A missing "=" or a name that is not a `TrainConfig` field is a ValueError."""
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  out = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"an override is FIELD=VALUE, got {item!r}")
+    if name not in fields:
+      raise ValueError(f"{name!r} is not a TrainConfig field (in {item!r})")
+    try:
+      out[name] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      out[name] = value
+  return out

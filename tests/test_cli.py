@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from salt_jax import cli
-from salt_jax.config import SECTIONS, TrainConfig, section_of
+from salt_jax.config import SECTIONS, TrainConfig, parse_overrides, section_of
 from salt_jax.recipes import RECIPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,3 +140,15 @@ def test_renamed_fields_read_under_their_old_names(tmp_path):
   RunCheckpoints(cfg, None).check_start()
   with pytest.raises(ValueError, match="salt_history: saved 3, now 5"):
     RunCheckpoints(dataclasses.replace(cfg, salt_history=5), None).check_start()
+
+
+def test_parse_overrides_reads_literals_and_refuses_what_is_not_an_override():
+  got = parse_overrides(["lr=3e-4", "group_size=4", 'env_kwargs={"num_rooms": 2}',
+                         "tokenizer=toy", 'model="a=b.gguf"', "salt=False"])
+  assert got == {"lr": 3e-4, "group_size": 4, "env_kwargs": {"num_rooms": 2}, "tokenizer": "toy",
+                 "model": "a=b.gguf", "salt": False}
+  assert parse_overrides([]) == {}
+  with pytest.raises(ValueError, match="FIELD=VALUE"):
+    parse_overrides(["lr"])
+  with pytest.raises(ValueError, match="not a TrainConfig field"):
+    parse_overrides(["learning_rate=1e-3"])

@@ -122,6 +122,8 @@ def test_warm_dir_clones_once_per_warm_start(tmp_path, monkeypatch):
   assert clones == [0, 0] and len(os.listdir(warm)) == 2
   with pytest.raises(SystemExit):  # one warm start per seed would not be one warm start
     learning_check.main(["--warm-dir", warm])
+  with pytest.raises(SystemExit):  # an override without "=" is named, not a crash mid-parse
+    learning_check.main(argv + ["--set", "salt_history"])
 
 
 @pytest.fixture(scope="module")
