@@ -173,11 +173,15 @@ def sampled_success(trainer: "Trainer", rounds: int, first_seed: int,
   share, "trajectories": how many were counted, "rounds": each round's success, "tasks": {task id:
   its success}} (rates rounded to 4 places).
   """
+  if group_size is None:
+    group_size = trainer.config.group_size
+  elif group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}")
   won, types, ids, valid, per_round = [], [], [], [], []
   for r in range(rounds):
     seed = first_seed + r
     batch = trainer.collect_rollout(trainer.task_sampler.tasks, jax.random.key(seed), seed=seed,
-                                    group_size=group_size or trainer.config.group_size)
+                                    group_size=group_size)
     kept = ~batch.failed
     won.append(batch.success[kept])
     types.append(np.asarray(batch.task_types)[kept])

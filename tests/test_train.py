@@ -426,6 +426,8 @@ def test_sampled_success_counts_the_rounds_rollouts(warm, tmp_path):
   assert pairs["trajectories"] == kept.sum() and pair_batch.success.size == 2 * len(
       set(pair_batch.task_ids))
   assert pairs["all"] == round(float(pair_batch.success[kept].mean()), 4)
+  with pytest.raises(ValueError, match="group_size"):
+    sampled_success(tr, rounds=1, first_seed=7, group_size=0)
 
 
 def test_microbatches_give_the_same_update(warm, tmp_path):
