@@ -36,7 +36,7 @@ import numpy as np
 
 from salt_jax.config import TrainConfig, parse_overrides
 from salt_jax.graph import build_merge_ids
-from salt_jax.metrics import write_jsonl
+from salt_jax.metrics import read_jsonl, write_jsonl
 from salt_jax.train import Trainer, merge_metrics
 
 HISTORIES = (1, 2, 3, 4, 5)
@@ -74,38 +74,116 @@ def merges_by_history(batch, before: np.ndarray, histories: Sequence[int]) -> li
         "prompt_differing_share": share("cross_prompt_merges"),
         "gradient_changing_merges": int(m["gradient_changing_merges"]),
         "gradient_changing_share": share("gradient_changing_merges"),
+        "merged_valid_steps": int(valid[merged_mask].sum()),
+        "edges": int(merge.num_segments),
         "merged_valid_share": round(float(valid[merged_mask].mean()), 4) if merged else None})
   return rows
 
 
-def measure(cfg: TrainConfig, histories: Sequence[int] = HISTORIES) -> dict:
-  """One rollout of `cfg`'s training tasks and its merges at each h."""
+# What the rollouts of several chunks add up to: counts summed, shares taken again from the sums.
+_SUMMED = ("trajectories", "failed", "steps", "valid_steps", "won", "response_tokens")
+_SUMMED_BY_H = ("steps", "merged_steps", "response_differing_merges", "prompt_differing_merges",
+                "gradient_changing_merges", "merged_valid_steps", "edges")
+
+
+def _rollout_counts(tr: Trainer, tasks: list, key, seed: int, histories: Sequence[int]) -> dict:
+  """One rollout of G trajectories of each of `tasks`: its counts and its merges at each h."""
   t0 = time.time()
+  full = tr.collect_rollout(tasks, key, seed=seed, group_size=tr.config.group_size)
+  batch = full.trainable()
+  if batch.num_total_steps == 0:
+    raise RuntimeError(f"every one of the {full.num_trajectories} trajectories failed")
+  before, _, _, _ = tr.step_advantages(batch)  # the group advantages do not depend on h
+  return {"tasks": [t.task_id for t in tasks], "trajectories": int(full.num_trajectories),
+          "failed": int(full.failed.sum()), "steps": int(batch.num_total_steps),
+          "valid_steps": int(np.asarray(batch.step_valid, bool).sum()),
+          "won": int(full.success[~full.failed].sum()),
+          "response_tokens": int(sum(len(r) for r in batch.response_ids)),
+          "parse_reasons": dict(collections.Counter(batch.parse_reasons)),
+          "by_history": merges_by_history(batch, before, histories),
+          "rollout_s": round(time.time() - t0, 1),
+          "generate_s": round(float(full.metrics["gen_time_s"]), 1),
+          "trajectories_steps": _trajectory_steps(batch)}
+
+
+def _total(chunks: list[dict]) -> dict:
+  """The chunks' counts summed, with the shares `merges_by_history` gives taken from the sums."""
+  tot = {k: sum(c[k] for c in chunks) for k in _SUMMED}
+  reasons = collections.Counter()
+  for c in chunks:
+    reasons.update(c["parse_reasons"])
+  rows = []
+  for i, first in enumerate(chunks[0]["by_history"]):
+    row = {"h": first["h"], **{k: sum(c["by_history"][i][k] for c in chunks)
+                               for k in _SUMMED_BY_H}}
+    n, merged = row["steps"], row["merged_steps"]
+    share = lambda k: round(row[k] / merged, 4) if merged else None  # noqa: E731 pylint: disable=cell-var-from-loop
+    row.update(merge_rate=round((n - row["edges"]) / n, 4) if n else 0.0,
+               merged_share=round(merged / n, 4) if n else None,
+               response_differing_share=share("response_differing_merges"),
+               prompt_differing_share=share("prompt_differing_merges"),
+               gradient_changing_share=share("gradient_changing_merges"),
+               merged_valid_share=share("merged_valid_steps"))
+    rows.append(row)
+  kept = tot["trajectories"] - tot["failed"]
+  return {"trajectories": tot["trajectories"], "failed": tot["failed"], "steps": tot["steps"],
+          "valid_action_share": round(tot["valid_steps"] / tot["steps"], 4),
+          "parse_reasons": dict(reasons.most_common()),
+          "success": round(tot["won"] / kept, 4) if kept else 0.0,
+          "mean_response_tokens": round(tot["response_tokens"] / tot["steps"], 1),
+          "by_history": rows}
+
+
+def measure(cfg: TrainConfig, histories: Sequence[int] = HISTORIES,
+            tasks_per_rollout: Optional[int] = None, chunks_path: Optional[str] = None) -> dict:
+  """Rollouts of `cfg`'s first `tasks_per_iter` training tasks and their merges at each h.
+
+  tasks_per_rollout: that many tasks' groups a rollout (default: all in one; fewer hold fewer
+    sequences in memory at once: SALT merges within a group, so its figures are the same kind);
+    rollout c is keyed `fold_in(key(seed), c)` (one rollout: `key(seed)`, the trainer's).
+  chunks_path: a JSON-lines file each finished rollout is appended to, and read back from on a
+    rerun with the same settings, so a killed measurement resumes.
+  """
+  t0 = time.time()
+  settings = {"model": cfg.model or "tiny random policy", "env": cfg.env,
+              "tasks": cfg.tasks_per_iter, "group_size": cfg.group_size,
+              "max_steps": cfg.max_steps, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+              "histories": list(histories)}
   with Trainer(cfg) as tr:
     tr.setup()
     t_setup = time.time() - t0
-    full = tr.collect_rollout(tr.task_sampler.tasks[:cfg.tasks_per_iter],
-                              jax.random.key(cfg.seed), seed=cfg.seed, group_size=cfg.group_size)
-    t_rollout = time.time() - t0 - t_setup
-    batch = full.trainable()
-    if batch.num_total_steps == 0:
-      raise RuntimeError(f"every one of the {full.num_trajectories} trajectories failed")
-    before, _, _, _ = tr.step_advantages(batch)  # the group advantages do not depend on h
-  rm = full.metrics
-  return {
-      "model": cfg.model or "tiny random policy", "env": cfg.env, "tasks": cfg.tasks_per_iter,
-      "group_size": cfg.group_size, "max_steps": cfg.max_steps,
-      "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
-      "trajectories": int(full.num_trajectories), "failed": int(full.failed.sum()),
-      "steps": int(batch.num_total_steps),
-      "valid_action_share": round(float(rm["valid_action_ratio"]), 4),
-      "parse_reasons": dict(collections.Counter(batch.parse_reasons).most_common()),
-      "success": round(float(rm["success_rate"]), 4),
-      "mean_response_tokens": round(float(np.mean([len(r) for r in batch.response_ids])), 1),
-      "by_history": merges_by_history(batch, before, histories),
-      "seconds": {"setup": round(t_setup, 1), "rollout": round(t_rollout, 1),
-                  "generate": round(float(rm["gen_time_s"]), 1)},
-      "trajectories_steps": _trajectory_steps(batch)}
+    tasks = tr.task_sampler.tasks[:cfg.tasks_per_iter]
+    per = tasks_per_rollout or len(tasks)
+    if per < 1:
+      raise ValueError(f"tasks_per_rollout must be >= 1, got {per}")
+    parts = [tasks[i:i + per] for i in range(0, len(tasks), per)]
+    done = {}
+    if chunks_path and os.path.exists(chunks_path):
+      for line in read_jsonl(chunks_path):
+        if line["settings"] != settings:
+          raise ValueError(f"{chunks_path} holds rollouts of other settings ({line['settings']}); "
+                           "move it away to start again")
+        done[line["chunk"]] = line
+    chunks = []
+    for c, part in enumerate(parts):
+      if c not in done:
+        key = jax.random.key(cfg.seed)
+        counts = _rollout_counts(tr, part, key if len(parts) == 1 else jax.random.fold_in(key, c),
+                                 cfg.seed, histories)
+        done[c] = {"chunk": c, "settings": settings, **counts}
+        if chunks_path:
+          with open(chunks_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(done[c]) + "\n")
+      if done[c]["tasks"] != [t.task_id for t in part]:
+        raise ValueError(f"rollout {c} in {chunks_path} played other tasks")
+      chunks.append(done[c])
+  return {**{k: v for k, v in settings.items() if k != "histories"}, **_total(chunks),
+          "rollouts": len(chunks),
+          "seconds": {"setup": round(t_setup, 1),
+                      "rollout": round(sum(c["rollout_s"] for c in chunks), 1),
+                      "generate": round(sum(c["generate_s"] for c in chunks), 1)},
+          "trajectories_steps": [{"rollout": c["chunk"], **t} for c in chunks
+                                 for t in c["trajectories_steps"]]}
 
 
 def _trajectory_steps(batch) -> list[dict]:
@@ -132,6 +210,8 @@ def main(argv=None):
   ap.add_argument("--max-cache-len", type=int, default=2048)
   ap.add_argument("--histories", type=int, nargs="+", default=list(HISTORIES))
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--tasks-per-rollout", type=int, default=None,
+                  help="roll out this many tasks' groups at a time (less memory; default: all)")
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="a TrainConfig override (the value a Python literal, else a string)")
   ap.add_argument("--out", default=None, help="write the result here (JSON)")
@@ -150,7 +230,8 @@ def main(argv=None):
     ap.error(str(e))
   cfg = rollout_config(model, args.env, args.tasks, args.group_size, args.max_steps,
                        args.max_new_tokens, args.max_cache_len, args.seed, **over)
-  result = measure(cfg, args.histories)
+  chunks = os.path.splitext(args.out)[0] + ".chunks.jsonl" if args.out else None
+  result = measure(cfg, args.histories, args.tasks_per_rollout, chunks)
   steps = result.pop("trajectories_steps")
   print(json.dumps(result, indent=1), flush=True)
   if args.out:

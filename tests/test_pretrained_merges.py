@@ -72,6 +72,36 @@ def test_command_writes_the_rollout_and_its_actions(tmp_path):
   assert all(len(t["responses"]) == len(t["actions"]) for t in steps)
 
 
+def test_rollouts_of_fewer_tasks_add_up_and_resume(tmp_path, monkeypatch):
+  """--tasks-per-rollout 1: one rollout a task, their counts summed and shares recomputed from
+  the sums; a rerun reads the finished rollouts back instead of playing them again."""
+  out = tmp_path / "merges.json"
+  pretrained_merges.main(TINY + ["--tasks-per-rollout", "1", "--out", str(out)])
+  got = json.loads(out.read_text())
+  chunks = [json.loads(x) for x in (tmp_path / "merges.chunks.jsonl").read_text().splitlines()]
+  assert got["rollouts"] == 2 and [c["chunk"] for c in chunks] == [0, 1]
+  assert [len(c["tasks"]) for c in chunks] == [1, 1] and chunks[0]["tasks"] != chunks[1]["tasks"]
+  assert got["trajectories"] == 8 and got["steps"] == sum(c["steps"] for c in chunks)
+  for i, row in enumerate(got["by_history"]):
+    parts = [c["by_history"][i] for c in chunks]
+    merged = sum(p["merged_steps"] for p in parts)
+    assert row["merged_steps"] == merged
+    assert row["merge_rate"] == round(1 - sum(p["edges"] for p in parts) / got["steps"], 4)
+    changing = sum(p["gradient_changing_merges"] for p in parts)
+    assert row["gradient_changing_share"] == (round(changing / merged, 4) if merged else None)
+  steps = [json.loads(x) for x in (tmp_path / "merges.steps.jsonl").read_text().splitlines()]
+  assert {(t["rollout"], t["trajectory"]) for t in steps} == {
+      (c["chunk"], t["trajectory"]) for c in chunks for t in c["trajectories_steps"]}
+
+  def no_rollout(*args, **kwargs):
+    raise AssertionError("a finished rollout was played again")
+  monkeypatch.setattr(pretrained_merges, "_rollout_counts", no_rollout)
+  pretrained_merges.main(TINY + ["--tasks-per-rollout", "1", "--out", str(out)])
+  assert json.loads(out.read_text())["by_history"] == got["by_history"]
+  with pytest.raises(ValueError, match="other settings"):  # another seed: not these rollouts
+    pretrained_merges.main(TINY + ["--tasks-per-rollout", "1", "--seed", "1", "--out", str(out)])
+
+
 def test_no_model_names_what_is_missing(monkeypatch, capsys):
   from salt_jax.models import gguf  # pylint: disable=import-outside-toplevel
 
