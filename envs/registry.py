@@ -3,6 +3,7 @@
   make_env("alfworld", expert=True)          -> envs.alfworld.AlfWorldEnv
   make_env("textworld", quest_length=6)      -> envs.textworld_games.TextWorldEnv
   make_env("toy", num_rooms=5)               -> envs.toy.ToyEnv
+  make_expert_env("textworld", max_steps=6)  -> one whose expert_action() works (demonstrations)
   make_env("webshop", human_goals=True)      -> envs.webshop.WebShopEnv
   make_env("tests.fakes:CrashingEnv")        -> any TextEnv class by "module:Class"
   task_list("alfworld", "valid_unseen")      -> the tasks of a split
@@ -65,6 +66,18 @@ def make_env(name: str, **kwargs: Any) -> TextEnv:
   """A new environment instance of family `name` (or of a "package.module:Class" outside the
   registry, e.g. a test's) built with `kwargs`."""
   return _load(name if ":" in name else entry(name).env)(**kwargs)
+
+
+# Families whose constructor takes `expert` (alfworld's and textworld's cost every step when on;
+# webshop's is always there but takes the flag); the toy env's expert is always there.
+_EXPERT_ON_REQUEST = ("alfworld", "textworld", "webshop")
+
+
+def make_expert_env(name: str, **kwargs: Any) -> TextEnv:
+  """`make_env(name, **kwargs)` with the family's expert enabled, so `expert_action()` works."""
+  if name in _EXPERT_ON_REQUEST:
+    kwargs = {**kwargs, "expert": True}
+  return make_env(name, **kwargs)
 
 
 def training_tasks(env_config) -> list[Task]:

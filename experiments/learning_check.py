@@ -34,6 +34,12 @@ with two at a time on this 2-core machine):
       --set invalid_action_penalty=0.1 --set invalid_step=format --set algo=grpo \
       --out docs/study/toy-four-methods/runs.jsonl      # and --set algo=rloo
 
+The same on TextWorld or the bundled ALFWorld tasks (`--env`, ENV_SETTINGS: the env's games and
+expert, RL as above), with held-out tasks measured beside the training ones:
+
+  ... learning_check.py --env textworld --heldout-tasks 8 --eval-rounds 2 [the flags above] \
+      --out docs/study/textworld-four-methods/runs.jsonl
+
 The h and G ablations (docs/study.md) are the same command with --iters 20 --eval-at 10, seeds
 0 1 2, and --set salt_history=H --salt on (docs/study/toy-history) or --set group_size=G
 --eval-group-size 8 --salt both (docs/study/toy-group-size: each G measured on 8 trajectories a
@@ -57,8 +63,7 @@ import numpy as np
 from flax import nnx
 
 from envs.demos import collect_demos
-from envs.registry import task_list
-from envs.toy import ToyEnv
+from envs.registry import entry, make_expert_env, task_list, training_tasks
 from salt_jax import sft
 from salt_jax.agent.prompts import env_prompt_config
 from salt_jax.config import TrainConfig, parse_overrides
@@ -83,6 +88,23 @@ LEARNS = TrainConfig(
     lr=5e-4, warmup_steps=8, kl_coef=0.0, minibatch_rows=32, ppo_epochs=1, min_seq_len=64,
     temperature=1.0, iters=12, progress=False, tensorboard=False, checkpoint_every=1000)
 
+# The check on the other environments (`--env`): LEARNS's RL with the env's games in place of the
+# toy tasks. TextWorld: the study's family (quest length 5, 2 rooms, 4 objects; walkthroughs of
+# about 5 commands), 8 training games (4 an iteration), at most 8 steps. ALFWorld: the first 8
+# valid_train tasks (the six types in turn), the planner's plans (4 to 8 steps) as the expert, at
+# most 10 steps; its 20 to 50 admissible actions a turn make the longest prompts.
+ENV_SETTINGS = {
+    "toy": {},
+    "textworld": dict(env="textworld", env_kwargs={"quest_length": 5, "world_size": 2,
+                                                   "nb_objects": 4},
+                      num_train_tasks=8, max_steps=8, max_cache_len=1024),
+    "alfworld": dict(env="alfworld", env_kwargs={"expert_type": "planner"}, num_train_tasks=8,
+                     max_steps=10, max_cache_len=2048),
+}
+
+
+DEMOS_PER_TASK = 32  # noisy-expert episodes of each training task the warm start clones
+
 
 @dataclasses.dataclass(frozen=True)
 class Check:
@@ -96,12 +118,14 @@ class Check:
     counts after which success is also measured (a shorter budget's figure from the same run);
     reasoning: the demonstrations' `<think>` text (`salt_jax.agent.reasoning`; None: empty);
     warm_seed: the seed of the warm start (its demonstrations and cloning); None: the run's seed,
-      so each seed has its own clone; an int: one clone, the runs' seeds vary RL alone.
+      so each seed has its own clone; an int: one clone, the runs' seeds vary RL alone;
+    heldout_tasks: also measure the first that many tasks of the env's first eval split (the same
+      rounds and keys): success on tasks neither the cloning nor RL saw.
   """
 
   config: TrainConfig = LEARNS
   epsilon: float = 0.5
-  demo_seeds: tuple = tuple(range(1000, 1032))
+  demo_seeds: tuple = tuple(range(1000, 1000 + DEMOS_PER_TASK))
   sft_steps: int = 150
   sft_lr: float = 1e-2
   eval_seed: int = 5000
@@ -111,6 +135,7 @@ class Check:
   eval_at: tuple = ()
   reasoning: Optional[str] = None
   warm_seed: Optional[int] = None
+  heldout_tasks: int = 0
 
 
 # The slow test's check: a clone of the epsilon-0.7 expert cloned for 600 steps instead of 150.
@@ -138,12 +163,13 @@ def _warm_start_inputs(check: Check, seed: int):
   """(config, tokenizer, demonstration batch, SFTConfig) of `check`'s warm start seeded `seed`."""
   cfg = dataclasses.replace(check.config, seed=seed)
   tok = build_tokenizer(cfg)
-  env = ToyEnv(max_steps=cfg.max_steps, **cfg.env_kwargs)
   demo_seeds = [s + 1000 * seed for s in check.demo_seeds]
-  tasks = task_list(cfg.env, cfg.train_split or "train", num_tasks=cfg.num_train_tasks,
-                    **cfg.env_kwargs)
-  demos = collect_demos(env, tasks, seeds=demo_seeds,
-                            max_steps=cfg.max_steps, only_won=False, epsilon=check.epsilon)
+  env = make_expert_env(cfg.env, max_steps=cfg.max_steps, **cfg.env_kwargs)
+  try:
+    demos = collect_demos(env, training_tasks(cfg), seeds=demo_seeds, max_steps=cfg.max_steps,
+                          only_won=False, epsilon=check.epsilon)
+  finally:
+    env.close()
   batch = sft.demo_token_batch(
       demos, tok, pad_id=tok.pad_token_id, min_length=cfg.min_seq_len,
       prompt_config=env_prompt_config(cfg.env, history_window=cfg.prompt_history),
@@ -153,11 +179,12 @@ def _warm_start_inputs(check: Check, seed: int):
   return cfg, tok, batch, sft_config
 
 
-def warm_start_key(check: Check, seed: int) -> str:
+def warm_start_key(check: Check, seed: int, inputs=None) -> str:
   """A digest of what `warm_start(check, _, seed)` clones from: the demonstration tokens, the
   policy's architecture, dtypes and init seed, and the cloning settings. Checks that differ only in
-  their RL (group size, SALT's history, lr, iterations) share it."""
-  cfg, tok, batch, sft_config = _warm_start_inputs(check, seed)
+  their RL (group size, SALT's history, lr, iterations) share it. inputs: `_warm_start_inputs`'s,
+  when already collected."""
+  cfg, tok, batch, sft_config = inputs or _warm_start_inputs(check, seed)
   digest = hashlib.sha256()
   for field in dataclasses.fields(batch):
     leaf = np.asarray(getattr(batch, field.name))
@@ -168,9 +195,9 @@ def warm_start_key(check: Check, seed: int) -> str:
   return digest.hexdigest()[:16]
 
 
-def warm_start(check: Check, path: str, seed: int) -> str:
+def warm_start(check: Check, path: str, seed: int, inputs=None) -> str:
   """Clones the noisy expert on the training tasks into the tiny policy; saves it at `path`."""
-  cfg, tok, batch, sft_config = _warm_start_inputs(check, seed)
+  cfg, tok, batch, sft_config = inputs or _warm_start_inputs(check, seed)
   model = build_policy(cfg, tok, make_mesh("1x1"))
   sft.behaviour_clone(model, batch, sft_config)
   save_params(path, nnx.state(model))
@@ -180,18 +207,36 @@ def warm_start(check: Check, path: str, seed: int) -> str:
 def cached_warm_start(check: Check, cache_dir: str, seed: int) -> str:
   """`warm_start` saved under `cache_dir/<warm_start_key>`, cloned only when not already there:
   the ablations of one warm start clone it once."""
-  path = os.path.join(os.path.abspath(cache_dir), f"warm-{warm_start_key(check, seed)}")
+  inputs = _warm_start_inputs(check, seed)  # the demonstrations are played once
+  path = os.path.join(os.path.abspath(cache_dir), f"warm-{warm_start_key(check, seed, inputs)}")
   if not os.path.isdir(path):
     os.makedirs(cache_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-      os.replace(warm_start(check, os.path.join(tmp, "params"), seed), path)  # never half-saved
+      params = warm_start(check, os.path.join(tmp, "params"), seed, inputs)
+      os.replace(params, path)  # never half-saved
   return path
 
 
-def sampled_success(trainer: Trainer, check: Check) -> dict:
+def sampled_success(trainer: Trainer, check: Check, tasks=None) -> dict:
   """`salt_jax.train.sampled_success` of the current policy over `check.eval_rounds` rounds from
-  `check.eval_seed`: overall, per task type, per round and per task."""
-  return train.sampled_success(trainer, check.eval_rounds, check.eval_seed, check.eval_group_size)
+  `check.eval_seed` on `tasks` (default: the training tasks): overall, per task type, per round
+  and per task."""
+  return train.sampled_success(trainer, check.eval_rounds, check.eval_seed, check.eval_group_size,
+                               tasks)
+
+
+def heldout_task_list(check: Check) -> list:
+  """The first `check.heldout_tasks` tasks of the env's first eval split (none when 0)."""
+  if check.heldout_tasks <= 0:
+    return []
+  cfg = check.config
+  split = entry(cfg.env).eval_splits[0]
+  tasks = task_list(cfg.env, split, **{**cfg.env_kwargs, "num_tasks": check.heldout_tasks})
+  tasks = tasks[:check.heldout_tasks]
+  if len(tasks) < check.heldout_tasks:
+    raise ValueError(f"{cfg.env}'s {split!r} split has {len(tasks)} tasks, fewer than "
+                     f"heldout_tasks={check.heldout_tasks}")
+  return tasks
 
 
 def learning_run(check: Check, seed: int, salt: bool, workdir: str,
@@ -205,16 +250,21 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
   t_warm = time.time() - t0
   cfg = dataclasses.replace(check.config, seed=seed, salt=salt, iters=max(check.iters, 1),
                             init_params=init, out=os.path.join(workdir, "run"))
+  heldout, held = heldout_task_list(check), {}
   with Trainer(cfg) as tr:
     tr.setup()
     t1 = time.time()
     before = sampled_success(tr, check)
+    if heldout:
+      held[0] = sampled_success(tr, check, heldout)
     t_eval = time.time() - t1
     curve, valid, mid, actions = [], [], {}, {}
     merges = {k: [] for k in MERGE_KEYS}
     for i in range(check.iters):
       if i in check.eval_at:
         mid[i] = sampled_success(tr, check)
+        if heldout:
+          held[i] = sampled_success(tr, check, heldout)
       m = tr.iteration()
       if os.environ.get("LEARNING_CHECK_VERBOSE"):
         print(json.dumps({k: round(float(v), 5) for k, v in m.items()
@@ -228,8 +278,11 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
         actions[i + 1] = action_counts(tr.last.rollout)
     t_rl = time.time() - t1 - t_eval
     after = sampled_success(tr, check)
+    if heldout:
+      held[check.iters] = sampled_success(tr, check, heldout)
   return {"seed": seed, "salt": salt, "before": before, "after": after,
           "rise": round(after["all"] - before["all"], 4), "iters": check.iters, "mid": mid,
+          "heldout": held,
           "curve": curve, "actions": actions, "merges": merges,
           "valid": valid, "minutes": round((time.time() - t0) / 60, 2),
           "seconds": {"warm_start": round(t_warm, 1), "eval": round(t_eval, 1),
@@ -257,14 +310,24 @@ def emit(run: dict, out: Optional[str]) -> None:
 
 def _run_key(run: dict) -> str:
   """What makes two runs the same experiment (so a finished one in --out is not run again)."""
-  return json.dumps({k: run.get(k) for k in (
+  key = {k: run.get(k) for k in (
       "seed", "salt", "algo", "reasoning", "overrides", "epsilon", "sft_steps", "warm_seed",
-      "iters", "eval_at", "eval_rounds", "eval_group_size")}, sort_keys=True)
+      "iters", "eval_at", "eval_rounds", "eval_group_size")}
+  # Settings added later, at the values the runs recorded before them had.
+  key.update(env=run.get("env", "toy"), heldout_tasks=run.get("heldout_tasks", 0),
+             demos_per_task=run.get("demos_per_task", DEMOS_PER_TASK))
+  return json.dumps(key, sort_keys=True)
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--env", choices=sorted(ENV_SETTINGS), default="toy",
+                  help="the tasks: the toy env's, or ENV_SETTINGS' TextWorld or ALFWorld games")
+  ap.add_argument("--heldout-tasks", type=int, default=0,
+                  help="also measure this many tasks of the env's first eval split")
+  ap.add_argument("--demos-per-task", type=int, default=DEMOS_PER_TASK,
+                  help="noisy-expert episodes of each training task for the warm start")
   ap.add_argument("--salt", choices=["off", "on", "both"], default="both")
   ap.add_argument("--iters", type=int, default=Check.iters)
   ap.add_argument("--epsilon", type=float, default=Check.epsilon)
@@ -294,11 +357,15 @@ def main(argv=None):
     over = parse_overrides(args.set)
   except ValueError as e:
     ap.error(str(e))
-  config = LEARNS if reasoning is None else dataclasses.replace(
-      LEARNS, max_new_tokens=REASONING_MAX_NEW_TOKENS)
+  if args.demos_per_task < 1 or args.heldout_tasks < 0:
+    ap.error("--demos-per-task must be >= 1 and --heldout-tasks >= 0")
+  config = dataclasses.replace(LEARNS, **ENV_SETTINGS[args.env])
+  if reasoning is not None:
+    config = dataclasses.replace(config, max_new_tokens=REASONING_MAX_NEW_TOKENS)
   check = Check(config=dataclasses.replace(config, **over), epsilon=args.epsilon,
+                demo_seeds=tuple(range(1000, 1000 + args.demos_per_task)),
                 sft_steps=args.sft_steps, eval_rounds=args.eval_rounds, iters=args.iters,
-                eval_group_size=args.eval_group_size,
+                eval_group_size=args.eval_group_size, heldout_tasks=args.heldout_tasks,
                 eval_at=tuple(args.eval_at), warm_seed=args.warm_seed, reasoning=reasoning)
   salts = {"off": [False], "on": [True], "both": [False, True]}[args.salt]
   done = set()
@@ -306,7 +373,9 @@ def main(argv=None):
     finished = read_jsonl(args.out)
     write_jsonl(args.out, finished)  # drops a last line cut short by a kill; the runs stay
     done = {_run_key(run) for run in finished}
-  settings = dict(overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
+  settings = dict(env=args.env, heldout_tasks=check.heldout_tasks,
+                  demos_per_task=args.demos_per_task,
+                  overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
                   warm_seed=check.warm_seed, algo=check.config.algo, reasoning=args.reasoning,
                   iters=check.iters, eval_at=list(check.eval_at), eval_rounds=check.eval_rounds,
                   eval_group_size=check.eval_group_size)

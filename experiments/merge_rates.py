@@ -76,10 +76,10 @@ def whole_history_prompt_ids(trajs: list) -> np.ndarray:
 def measure(env_name: str, num_tasks: int, seed: int) -> list[dict]:
   """Rows (env, p, G, h, merge_rate, cross_prompt_merges, steps, success) over `num_tasks` tasks."""
   # pylint: disable=import-outside-toplevel
-  from envs.registry import make_env, task_list
+  from envs.registry import make_expert_env, task_list
   from salt_jax import build_merge_ids, cross_prompt_merges
   st = ENV_SETTINGS[env_name]
-  env = make_env(env_name, expert=True, max_steps=st["max_steps"], **st["kwargs"])
+  env = make_expert_env(env_name, max_steps=st["max_steps"], **st["kwargs"])
   tasks = task_list(env_name, st["split"], **st["kwargs"])[:num_tasks]
   rows = []
   try:

@@ -349,7 +349,15 @@ def by_type_table(s: dict) -> str:
 
 # The four methods on the toy tasks (`experiments/learning_check.py` lines, one per run, in
 # docs/study/<TOY_FOUR_METHODS>/runs.jsonl).
-TOY_FOUR_METHODS = "toy-four-methods"
+# The four methods per environment (`learning_check.py --env`): {env: (folder of runs.jsonl under
+# the study's out, what the report calls the tasks, the figure's file)}.
+FOUR_METHODS = {
+    "toy": ("toy-four-methods", "the toy tasks", "toy_four_methods.png"),
+    "textworld": ("textworld-four-methods", "TextWorld", "textworld_four_methods.png"),
+    "alfworld": ("alfworld-four-methods", "the bundled ALFWorld tasks",
+                 "alfworld_four_methods.png"),
+}
+TOY_FOUR_METHODS = FOUR_METHODS["toy"][0]
 
 
 def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
@@ -360,9 +368,13 @@ def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
   return out
 
 
-def _measurement(r: dict, it: int) -> dict:
+def _measurement(r: dict, it: int, on: str = "train") -> dict:
   """A learning-check run's measurement after `it` iterations: before RL, after its last
-  iteration, or a `mid` measurement (keyed by int in a run, by str once read back from JSON)."""
+  iteration, or a `mid` measurement (keyed by int in a run, by str once read back from JSON);
+  on="heldout": its held-out tasks' measurement then."""
+  if on == "heldout":
+    held = r["heldout"]
+    return held[str(it)] if str(it) in held else held[it]
   if it == 0:
     return r["before"]
   if it == r["iters"]:
@@ -370,9 +382,9 @@ def _measurement(r: dict, it: int) -> dict:
   return r["mid"][str(it)] if str(it) in r["mid"] else r["mid"][it]
 
 
-def _measured(r: dict, it: int) -> float:
-  """The measured success of `_measurement(r, it)`."""
-  return _measurement(r, it)["all"]
+def _measured(r: dict, it: int, on: str = "train") -> float:
+  """The measured success of `_measurement(r, it, on)`."""
+  return _measurement(r, it, on)["all"]
 
 
 def _checkpoints(runs: list[dict]) -> list[int]:
@@ -392,12 +404,13 @@ def _late_curve(r: dict) -> float:
   return statistics.fmean(r["curve"][-LATE_ITERS:])
 
 
-def paired_effects(runs: list[dict], it) -> dict[str, list[tuple[int, float]]]:
+def paired_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tuple[int, float]]]:
   """{base method: [(seed, SALT's success minus its base's)]} after `it` iterations (the fixed
-  measurement), or with `it="late"` over the training rollouts of the last LATE_ITERS
-  iterations; runs paired by (algo, seed); a seed without both runs is left out, two runs of one
-  (algo, salt, seed) are an error."""
-  value = _late_curve if it == "late" else (lambda r: _measured(r, it))
+  measurement of the training tasks, or of the held-out ones with on="heldout"), or with
+  `it="late"` over the training rollouts of the last LATE_ITERS iterations; runs paired by
+  (algo, seed); a seed without both runs is left out, two runs of one (algo, salt, seed) are an
+  error."""
+  value = _late_curve if it == "late" else (lambda r: _measured(r, it, on))
   by: dict = {}
   for r in runs:
     key = (r["algo"], bool(r["salt"]), r["seed"])
@@ -428,22 +441,32 @@ def _paired_cell(pairs: list) -> str:
   return f"{_ci(t_interval(d))}; {wins}/{len(d) - wins - losses}/{losses}"
 
 
+def _has_heldout(runs: list[dict]) -> bool:
+  """Whether every run also measured held-out tasks (`learning_check.py --heldout-tasks`)."""
+  return bool(runs) and all(r.get("heldout") for r in runs)
+
+
 def four_methods_tables(runs: list[dict]) -> str:
-  """Success per method after each measured iteration count (mean and 95% t-interval over seeds),
-  SALT's merges, and SALT minus its base per seed (paired) with its 95% t-interval."""
+  """Success per method after each measured iteration count (mean and 95% t-interval over seeds;
+  on the held-out tasks too where every run measured them), SALT's merges, and SALT minus its base
+  per seed (paired) with its 95% t-interval."""
   if not runs:
     raise ValueError("no runs")
   its = _checkpoints(runs)
   methods = _by_method(runs)
-  lines = ["| method | seeds | " + " | ".join(f"success after {i} % (95% CI)" for i in its)
+  measures = [(i, "train") for i in its]
+  if _has_heldout(runs):
+    measures += [(i, "heldout") for i in its]
+  head = {"train": "success after {} % (95% CI)", "heldout": "held-out success after {} %"}
+  lines = ["| method | seeds | " + " | ".join(head[on].format(i) for i, on in measures)
            + " | valid steps %, last 5 | merged steps % | of merged: responses differ % "
              "| of merged: gradient changes % |",
-           "|---|---|" + "---|" * (len(its) + 4)]
+           "|---|---|" + "---|" * (len(measures) + 4)]
   for m in sorted(methods, key=lambda k: (k.split("+")[0], "+" in k)):
     rows = methods[m]
     cells = []
-    for i in its:
-      m_, lo, hi = t_interval([_measured(r, i) for r in rows])
+    for i, on in measures:
+      m_, lo, hi = t_interval([_measured(r, i, on) for r in rows])
       cells.append(f"{_pct(m_)}" + ("" if math.isnan(lo) or lo == hi  # one seed, or one clone
                                     else f" ({_pct(lo)} to {_pct(hi)})"))
     valid = statistics.fmean(statistics.fmean(r["valid"][-5:]) for r in rows)
@@ -456,20 +479,24 @@ def four_methods_tables(runs: list[dict]) -> str:
               if any(r["salt"] for r in rows) else "- | - | -")  # merges are SALT's
     lines.append(f"| {m} | {len(rows)} | " + " | ".join(cells) + f" | {100 * valid:.1f} | "
                  + merges + " |")
+  paired = [(i, on) for i, on in measures if i != 0] + [("late", "train")]
+  name = {"train": "after {}", "heldout": "held-out after {}"}
   lines += ["", "SALT minus its base, same seed, same warm start and first rollout (points; mean "
             "and 95% t-interval over seeds; wins / ties / losses):", "",
-            "| comparison | seeds | " + " | ".join(f"after {i}" for i in its[1:])
+            "| comparison | seeds | " + " | ".join(name[on].format(i) for i, on in paired[:-1])
             + f" | training rollouts, last {LATE_ITERS} iterations |",
-            "|---|---|" + "---|" * len(its)]
-  effects = {i: paired_effects(runs, i) for i in its[1:] + ["late"]}
-  for algo in sorted(effects["late"]):
-    cells = [_paired_cell(effects[i][algo]) for i in its[1:] + ["late"]]
-    lines.append(f"| {algo}+SALT - {algo} | {len(effects['late'][algo])} | " + " | ".join(cells)
+            "|---|---|" + "---|" * len(paired)]
+  effects = {(i, on): paired_effects(runs, i, on) for i, on in paired}
+  for algo in sorted(effects["late", "train"]):
+    cells = [_paired_cell(effects[k][algo]) for k in paired]
+    lines.append(f"| {algo}+SALT - {algo} | {len(effects['late', 'train'][algo])} | "
+                 + " | ".join(cells)
                  + " |")
   return "\n".join(lines)
 
 
-def four_methods_figure(runs: list[dict], docs: str) -> list[str]:
+def four_methods_figure(runs: list[dict], docs: str,
+                        name: str = FOUR_METHODS["toy"][2]) -> list[str]:
   """Training rollouts' success per iteration (mean over seeds, 5-iteration mean) per method, and
   each seed's paired SALT-minus-base difference at the last measurement."""
   _, plt = _pyplot()
@@ -495,7 +522,7 @@ def four_methods_figure(runs: list[dict], docs: str) -> list[str]:
   a1.set_xlim(-0.5, len(effects) - 0.5)
   a1.axhline(0, color="grey", lw=0.8)
   a1.set(ylabel=f"success after {last} iterations, points", title="SALT minus its base, per seed")
-  return [_save(fig, docs, "toy_four_methods.png")]
+  return [_save(fig, docs, name)]
 
 
 # The h and G ablations on the toy tasks: learning-check runs that differ from the four methods'
@@ -642,14 +669,20 @@ def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITE
   return [_save(fig, docs, f"{TOY_SWEEPS[param].replace('-', '_')}.png")]
 
 
+def four_methods_runs(out: str, env: str) -> list[dict]:
+  """The four methods' learning-check runs of `env` under `out` (FOUR_METHODS' folder); []."""
+  from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
+  path = os.path.join(out, FOUR_METHODS[env][0], "runs.jsonl")
+  return read_jsonl(path) if os.path.exists(path) else []
+
+
 def toy_runs(out: str) -> dict[str, list[dict]]:
-  """The learning-check runs under `out`: {"four-methods": its runs.jsonl, "h" / "G": the
-  four methods' runs and the sweep's own files (`out`/toy-history/*.jsonl, ...)}; only those
+  """The toy tasks' learning-check runs under `out`: {"four-methods": its runs.jsonl, "h" / "G":
+  the four methods' runs and the sweep's own files (`out`/toy-history/*.jsonl, ...)}; only those
   present."""
   from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
   found = {}
-  four = os.path.join(out, TOY_FOUR_METHODS, "runs.jsonl")
-  base = read_jsonl(four) if os.path.exists(four) else []
+  base = four_methods_runs(out, "toy")
   if base:
     found["four-methods"] = base
   for param, folder in TOY_SWEEPS.items():
@@ -712,14 +745,18 @@ def report(out: str) -> str:
     else:
       figs = matching_figure(s, docs)
     md += [f"![{name}]({os.path.relpath(f, docs)})" for f in figs] + [""]
+  for env, (folder, tasks, figure) in FOUR_METHODS.items():
+    runs = four_methods_runs(out, env)
+    if not runs:
+      continue
+    held = (f"; held-out: {runs[0]['heldout_tasks']} tasks of the env's eval split, measured "
+            "the same way" if _has_heldout(runs) else "")
+    md += [f"## The four methods on {tasks} ({folder}; `experiments/learning_check.py`)", "",
+           f"Sampled success on the training tasks (fixed keys neither training nor cloning "
+           f"uses{held}).", "", four_methods_tables(runs), ""]
+    md += [f"![{env} four methods]({os.path.relpath(f, docs)})"
+           for f in four_methods_figure(runs, docs, figure)] + [""]
   toy = toy_runs(out)
-  if "four-methods" in toy:
-    runs = toy["four-methods"]
-    md += [f"## The four methods on the toy tasks ({TOY_FOUR_METHODS}; "
-           "`experiments/learning_check.py`)", "", "Sampled success on the 4 training tasks "
-           "(fixed keys neither training nor cloning uses).", "", four_methods_tables(runs), ""]
-    md += [f"![toy four methods]({os.path.relpath(f, docs)})"
-           for f in four_methods_figure(runs, docs)] + [""]
   for param in ("h", "G"):
     if param in toy:
       md += [f"## {param} on the toy tasks ({TOY_SWEEPS[param]} with {TOY_FOUR_METHODS}'s runs "

@@ -252,10 +252,7 @@ def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: f
   model = build_policy(cfg, tok, mesh)
   if cfg.init_params is not None:
     nnx.update(model, load_params(cfg.init_params, nnx.state(model)))
-  env_kw = dict(cfg.env_kwargs, max_steps=cfg.max_steps)
-  if cfg.env != "toy":
-    env_kw["expert"] = True
-  env = registry.make_env(cfg.env, **env_kw)
+  env = registry.make_expert_env(cfg.env, **cfg.env_kwargs, max_steps=cfg.max_steps)
   tasks = registry.training_tasks(cfg)
   # Only as many episodes as asked: the tasks in order, with new env seeds once they run out
   # (an ALFWorld episode costs seconds, so playing every task first would be wasted).

@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -163,11 +163,12 @@ def merge_metrics(batch, merge, before: np.ndarray) -> dict:
 
 
 def sampled_success(trainer: "Trainer", rounds: int, first_seed: int,
-                    group_size: Optional[int] = None) -> dict:
-  """Sampled success of the trainer's current policy on its training tasks: `rounds` rounds of
-  `group_size` (default: the trainer's G) trajectories of every task (`Trainer.collect_rollout`),
-  round r with key and listing-order seed `first_seed + r`; failed trajectories left out. A fixed
-  `group_size` measures runs that train with different G on the same footing.
+                    group_size: Optional[int] = None, tasks: Optional[Sequence] = None) -> dict:
+  """Sampled success of the trainer's current policy on `tasks` (default: its training tasks):
+  `rounds` rounds of `group_size` (default: the trainer's G) trajectories of every task
+  (`Trainer.collect_rollout`), round r with key and listing-order seed `first_seed + r`; failed
+  trajectories left out. A fixed `group_size` measures runs that train with different G on the
+  same footing; held-out tasks measure what the training did not see.
 
   Returns {"all": success, <task type>: its success, "valid_steps": the rounds' mean valid-step
   share, "trajectories": how many were counted, "rounds": each round's success, "tasks": {task id:
@@ -177,11 +178,13 @@ def sampled_success(trainer: "Trainer", rounds: int, first_seed: int,
     group_size = trainer.config.group_size
   elif group_size < 1:
     raise ValueError(f"group_size must be >= 1, got {group_size}")
+  tasks = trainer.task_sampler.tasks if tasks is None else list(tasks)
+  if not tasks:
+    raise ValueError("sampled_success needs at least one task")
   won, types, ids, valid, per_round = [], [], [], [], []
   for r in range(rounds):
     seed = first_seed + r
-    batch = trainer.collect_rollout(trainer.task_sampler.tasks, jax.random.key(seed), seed=seed,
-                                    group_size=group_size)
+    batch = trainer.collect_rollout(tasks, jax.random.key(seed), seed=seed, group_size=group_size)
     kept = ~batch.failed
     won.append(batch.success[kept])
     types.append(np.asarray(batch.task_types)[kept])

@@ -62,7 +62,7 @@ def test_driver_resumes_a_study_from_its_out_file(tmp_path, monkeypatch):
     calls.append((seed, salt, check.config.algo, check.reasoning, init is not None))
     return {"seed": seed, "salt": salt, "rise": 0.0}
   monkeypatch.setattr(learning_check, "learning_run", fake_run)
-  monkeypatch.setattr(learning_check, "warm_start", lambda check, path, seed: path)
+  monkeypatch.setattr(learning_check, "warm_start", lambda check, path, seed, inputs=None: path)
   out = str(tmp_path / "runs.jsonl")
   argv = ["--seeds", "0", "1", "--salt", "both", "--warm-seed", "0", "--iters", "3",
           "--set", "algo=rloo", "--reasoning", "templated", "--out", out]
@@ -104,7 +104,8 @@ def test_warm_dir_clones_once_per_warm_start(tmp_path, monkeypatch):
 
   clones, inits = [], []
 
-  def fake_clone(check, path, seed):
+  def fake_clone(check, path, seed, inputs=None):
+    assert inputs is not None  # the demonstrations the key was computed from, not played again
     clones.append(seed)
     os.makedirs(path)
     return path
@@ -124,6 +125,100 @@ def test_warm_dir_clones_once_per_warm_start(tmp_path, monkeypatch):
     learning_check.main(["--warm-dir", warm])
   with pytest.raises(SystemExit):  # an override without "=" is named, not a crash mid-parse
     learning_check.main(argv + ["--set", "salt_history"])
+
+
+def test_driver_runs_other_envs_with_held_out_tasks(tmp_path, monkeypatch):
+  """--env swaps in ENV_SETTINGS' games (RL settings kept), --heldout-tasks and --demos-per-task
+  reach the Check, and the run records them; a toy run recorded before those settings existed
+  still counts as done."""
+  checks = []
+
+  def fake_run(check, seed, salt, workdir, init=None):
+    checks.append(check)
+    return {"seed": seed, "salt": salt}
+  monkeypatch.setattr(learning_check, "learning_run", fake_run)
+  monkeypatch.setattr(learning_check, "warm_start", lambda check, path, seed, inputs=None: path)
+  out = str(tmp_path / "runs.jsonl")
+  argv = ["--seeds", "0", "--salt", "on", "--warm-seed", "0", "--iters", "2", "--out", out]
+  learning_check.main(argv + ["--env", "textworld", "--heldout-tasks", "4",
+                              "--demos-per-task", "3", "--set", "lr=1e-4"])
+  (check,) = checks
+  tw = learning_check.ENV_SETTINGS["textworld"]
+  assert check.config.env == "textworld" and check.config.env_kwargs == tw["env_kwargs"]
+  assert check.config.max_steps == tw["max_steps"] and check.config.lr == 1e-4
+  assert check.config.group_stats == learning_check.LEARNS.group_stats
+  assert check.heldout_tasks == 4 and check.demo_seeds == (1000, 1001, 1002)
+  with open(out, encoding="utf-8") as f:
+    (run,) = map(json.loads, f)
+  assert (run["env"], run["heldout_tasks"], run["demos_per_task"]) == ("textworld", 4, 3)
+  learning_check.main(argv)  # the toy env: another experiment
+  assert len(checks) == 2 and checks[1].config.env == "toy"
+  old = dict(run, env="toy", heldout_tasks=0, demos_per_task=learning_check.DEMOS_PER_TASK,
+             overrides={}, seed=5)
+  for k in ("env", "heldout_tasks", "demos_per_task"):
+    del old[k]  # a toy run from before these settings were recorded
+  with open(out, "a", encoding="utf-8") as f:
+    f.write(json.dumps(old) + "\n")
+  learning_check.main(argv[:1] + ["5"] + argv[2:])
+  assert len(checks) == 2  # seed 5 was done
+  with pytest.raises(SystemExit):
+    learning_check.main(argv + ["--heldout-tasks", "-1"])
+
+
+def test_held_out_tasks_are_the_eval_split():
+  """The held-out measurement's tasks: the first N of the env's first eval split, none of them a
+  training task; too few there is an error, not a shorter measurement."""
+  check = dataclasses.replace(FAST, heldout_tasks=3)
+  held = learning_check.heldout_task_list(check)
+  assert [t.split for t in held] == ["eval"] * 3
+  train_ids = {t.task_id for t in learning_check.training_tasks(check.config)}
+  assert train_ids.isdisjoint(t.task_id for t in held)
+  assert learning_check.heldout_task_list(FAST) == []
+  tw = dataclasses.replace(FAST, heldout_tasks=2, config=dataclasses.replace(
+      FAST.config, **learning_check.ENV_SETTINGS["textworld"]))
+  held = learning_check.heldout_task_list(tw)
+  assert len(held) == 2 and {t.split for t in held} == {"heldout"}
+  alf = dataclasses.replace(FAST, heldout_tasks=10**6, config=dataclasses.replace(
+      FAST.config, **learning_check.ENV_SETTINGS["alfworld"]))
+  with pytest.raises(ValueError, match="fewer than"):
+    learning_check.heldout_task_list(alf)
+
+
+def test_run_measures_held_out_tasks_at_each_measurement(tmp_path):
+  """A run with held-out tasks measures them before RL, at each `eval_at` and after the last
+  iteration, on those tasks alone."""
+  check = dataclasses.replace(FAST, iters=2, eval_at=(1,), heldout_tasks=2, sft_steps=10,
+                              eval_rounds=1)
+  run = learning_check.learning_run(check, seed=0, salt=True, workdir=str(tmp_path))
+  assert sorted(run["heldout"]) == [0, 1, 2] and sorted(run["mid"]) == [1]
+  held_ids = {t.task_id for t in learning_check.heldout_task_list(check)}
+  for m in run["heldout"].values():
+    assert set(m["tasks"]) == held_ids and m["trajectories"] <= 2 * check.config.group_size
+  assert set(run["after"]["tasks"]).isdisjoint(held_ids)
+
+
+def test_textworld_warm_start_clones_the_noisy_expert():
+  """The warm start's demonstrations on TextWorld: the env's expert with deviations, in the
+  run's prompts, with the stand-in reasoning (responses for one action differ)."""
+  cfg = dataclasses.replace(learning_check.LEARNS, **{
+      **learning_check.ENV_SETTINGS["textworld"], "num_train_tasks": 2, "prompt_history": 2,
+      "max_new_tokens": learning_check.REASONING_MAX_NEW_TOKENS})
+  check = learning_check.Check(config=cfg, epsilon=0.5, demo_seeds=(1000, 1001),
+                               reasoning="templated", warm_seed=0)
+  _, tok, batch, sft_config = learning_check._warm_start_inputs(check, 0)
+  assert sft_config.steps == check.sft_steps
+  rows = int((batch.row_traj_ids >= 0).sum())
+  assert rows >= 4  # 2 tasks x 2 listing orders, one row a step
+  responses = [tok.decode(batch.targets[r][batch.loss_mask[r]].tolist()) for r in range(rows)]
+  assert all(r.startswith("<think>") and "</think><action>" in r for r in responses)
+  by_action: dict = {}
+  for r in responses:
+    by_action.setdefault(r.split("<action>")[1], set()).add(r)
+  assert any(len(v) > 1 for v in by_action.values()), by_action
+  prompt = tok.decode(batch.input_ids[1][batch.attention_mask[1]].tolist())
+  assert "Admissible actions" in prompt and "You have taken 1 step(s)" in prompt, prompt
+  fewer = dataclasses.replace(check, demo_seeds=(1000,))
+  assert learning_check.warm_start_key(fewer, 0) != learning_check.warm_start_key(check, 0)
 
 
 @pytest.fixture(scope="module")

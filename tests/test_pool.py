@@ -154,6 +154,26 @@ def test_make_env_names():
   assert isinstance(make_env("envs.toy:ToyEnv"), ToyEnv)
 
 
+def test_make_expert_env_turns_the_expert_on():
+  """Each family's expert answers from `make_expert_env` (the toy env, whose constructor has no
+  `expert`, as from `make_env`); textworld's, off by default, is switched on."""
+  from envs.registry import make_expert_env, task_list  # pylint: disable=import-outside-toplevel
+  toy = make_expert_env("toy", num_rooms=3, max_steps=5)
+  toy.reset(TASKS[0], 0)
+  assert toy.expert_action() == ToyEnv(num_rooms=3).optimal_actions(TASKS[0])[0]
+  params = {"quest_length": 5, "world_size": 2, "nb_objects": 4}
+  (task,) = task_list("textworld", "train", num_tasks=1, **params)
+  plain = make_env("textworld", max_steps=5, **params)
+  plain.reset(task, 0)
+  with pytest.raises(RuntimeError, match="expert=True"):
+    plain.expert_action()
+  tw = make_expert_env("textworld", max_steps=5, **params)
+  first = tw.reset(task, 0)
+  assert tw.expert_action() in first.admissible_actions
+  for env in (plain, tw):
+    env.close()
+
+
 def test_bad_inputs():
   with pytest.raises(ValueError, match="num_workers"):
     EnvPool("toy", {}, -1)

@@ -323,6 +323,42 @@ def test_four_methods_tables_and_figure(tmp_path):
   assert "The four methods on the toy tasks" in md and "toy_four_methods.png" in md
 
 
+def test_four_methods_with_held_out_tasks(tmp_path):
+  """Runs that also measured held-out tasks: the tables add their success and the paired
+  difference on them; the report shows each environment's runs under its own heading."""
+  runs = _four_methods()
+  for r in runs:  # held-out success: the training figure minus 0.2 (GRPO+SALT seed 1: -0.3)
+    drop = 0.3 if (r["salt"], r["seed"], r["algo"]) == (True, 1, "grpo") else 0.2
+    r["heldout"] = {str(i): {"all": round(_measured - drop, 4)} for i, _measured in (
+        (0, r["before"]["all"]), (2, r["mid"]["2"]["all"]), (4, r["after"]["all"]))}
+    r["heldout_tasks"] = 8
+  text = study_report.four_methods_tables(runs)
+  assert "held-out success after 0 %" in text and "held-out success after 4 %" in text
+  grpo = next(line for line in text.splitlines() if line.startswith("| GRPO |"))
+  assert "| 30.0 | 36.0 (33.5 to 38.5) |" in grpo  # held-out: the training figures - 20 points
+  eff = study_report.paired_effects(runs, 4, on="heldout")["GRPO"]
+  assert [d for _, d in eff] == pytest.approx([0.05, -0.17, 0.05])
+  d = [5.0, -17.0, 5.0]
+  m, lo, hi = study_report.t_interval(d)
+  header = next(line for line in text.splitlines() if line.startswith("| comparison |"))
+  assert header.count("held-out after") == 2  # after 2 and after 4
+  assert f"{m:+.1f} ({lo:+.1f} to {hi:+.1f}); 2/0/1" in text
+  with pytest.raises(KeyError):  # a run without that measurement is not read as 0
+    study_report.paired_effects(_four_methods(), 4, on="heldout")
+  # Runs without held-out measurements in the same table: no held-out columns.
+  mixed = runs[:-1] + _four_methods()[-1:]
+  assert "held-out" not in study_report.four_methods_tables(mixed)
+  out = tmp_path / "docs" / "study"
+  (out / study_report.FOUR_METHODS["textworld"][0]).mkdir(parents=True)
+  with open(out / study_report.FOUR_METHODS["textworld"][0] / "runs.jsonl", "w",
+            encoding="utf-8") as f:
+    f.write("\n".join(json.dumps(r) for r in runs) + "\n")
+  md = study_report.report(str(out))
+  assert "## The four methods on TextWorld" in md and "8 tasks of the env's eval split" in md
+  assert "textworld_four_methods.png" in md and "on the toy tasks" not in md
+  assert os.path.getsize(out.parent / "textworld_four_methods.png") > 0
+
+
 def _sweep_run(salt, seed, after, *, h=None, g=None, iters=2, curve=(0.2, 0.4), eval_g=None):
   """A learning_check.py line of an ablation: SALT's h and G as --set overrides."""
   run = _check_run("grpo", salt, seed, 0.5, 0.5, after, iters=iters)

@@ -428,6 +428,17 @@ def test_sampled_success_counts_the_rounds_rollouts(warm, tmp_path):
   assert pairs["all"] == round(float(pair_batch.success[kept].mean()), 4)
   with pytest.raises(ValueError, match="group_size"):
     sampled_success(tr, rounds=1, first_seed=7, group_size=0)
+  # Other tasks (held-out ones): those tasks' rollouts, not the training tasks'.
+  others = toy_tasks(2, split="eval")
+  assert {t.task_id for t in others}.isdisjoint(t.task_id for t in tr.task_sampler.tasks)
+  with Trainer(dataclasses.replace(cfg, out=str(tmp_path / "ss3"))) as tr:
+    tr.setup()
+    held = sampled_success(tr, rounds=1, first_seed=7, group_size=2, tasks=others)
+    held_batch = tr.collect_rollout(others, jax.random.key(7), seed=7, group_size=2)
+    with pytest.raises(ValueError, match="at least one task"):
+      sampled_success(tr, rounds=1, first_seed=7, tasks=[])
+  assert set(held["tasks"]) == {t.task_id for t in others}
+  assert held["all"] == round(float(held_batch.success[~held_batch.failed].mean()), 4)
 
 
 def test_microbatches_give_the_same_update(warm, tmp_path):

@@ -50,7 +50,7 @@ def env_texts(env: str, env_kwargs: dict) -> list[str]:
   from envs.demos import collect_demos, demo_texts
   tasks = registry.task_list(env, registry.entry(env).train_split,
                              **env_kwargs)[:_TOY_CORPUS_TASKS]
-  game = registry.make_env(env, **{**env_kwargs, "expert": True, "max_steps": _TOY_CORPUS_STEPS})
+  game = registry.make_expert_env(env, **{**env_kwargs, "max_steps": _TOY_CORPUS_STEPS})
   try:
     demos = collect_demos(game, tasks, max_steps=_TOY_CORPUS_STEPS, only_won=False)
   finally:
