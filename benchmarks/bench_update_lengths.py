@@ -10,7 +10,6 @@ of `--reps` later calls.
 """
 
 import argparse
-import ast
 import dataclasses
 import json
 import os
@@ -22,7 +21,7 @@ import numpy as np
 
 from envs.alfworld import starter_defaults
 from salt_jax.cli import config_from
-from salt_jax.config import TrainConfig
+from salt_jax.config import TrainConfig, parse_overrides
 from salt_jax.train import Trainer
 
 MAIN_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -56,10 +55,14 @@ def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--lengths", type=int, nargs="+", default=[384, 512, 768])
   p.add_argument("--reps", type=int, default=3)
-  p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+  p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                 help="TrainConfig overrides (`config.parse_overrides`)")
   args = p.parse_args(argv)
   results = []
-  overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
+  try:
+    overrides = parse_overrides(args.set)
+  except ValueError as e:
+    p.error(str(e))
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(main_job_config(out, overrides)).setup()
     vocab = int(trainer.model.config.vocab_size)

@@ -87,3 +87,5 @@ def test_bench_update_lengths_times_each_length():
                                     "env_workers=0", "minibatch_rows=4"])
   assert [r["length"] for r in rows] == [64, 128] and all(r["rows"] == 4 for r in rows)
   assert all(r["first_s"] > 0 and r["step_s"] > 0 and r["loss"] == r["loss"] for r in rows)
+  with pytest.raises(SystemExit):  # not a TrainConfig field: named before any work
+    bench_update_lengths.main(["--lengths", "64", "--set", "minibatch_row=4"])
