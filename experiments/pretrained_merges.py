@@ -172,6 +172,7 @@ def measure(cfg: TrainConfig, histories: Sequence[int] = HISTORIES,
                                  cfg.seed, histories)
         done[c] = {"chunk": c, "settings": settings, **counts}
         if chunks_path:
+          os.makedirs(os.path.dirname(os.path.abspath(chunks_path)), exist_ok=True)
           with open(chunks_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(done[c]) + "\n")
       if done[c]["tasks"] != [t.task_id for t in part]:

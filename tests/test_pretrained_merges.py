@@ -75,10 +75,10 @@ def test_command_writes_the_rollout_and_its_actions(tmp_path):
 def test_rollouts_of_fewer_tasks_add_up_and_resume(tmp_path, monkeypatch):
   """--tasks-per-rollout 1: one rollout a task, their counts summed and shares recomputed from
   the sums; a rerun reads the finished rollouts back instead of playing them again."""
-  out = tmp_path / "merges.json"
+  out = tmp_path / "new" / "merges.json"  # a folder not there yet: made before the first rollout
   pretrained_merges.main(TINY + ["--tasks-per-rollout", "1", "--out", str(out)])
   got = json.loads(out.read_text())
-  chunks = [json.loads(x) for x in (tmp_path / "merges.chunks.jsonl").read_text().splitlines()]
+  chunks = [json.loads(x) for x in out.with_suffix(".chunks.jsonl").read_text().splitlines()]
   assert got["rollouts"] == 2 and [c["chunk"] for c in chunks] == [0, 1]
   assert [len(c["tasks"]) for c in chunks] == [1, 1] and chunks[0]["tasks"] != chunks[1]["tasks"]
   assert got["trajectories"] == 8 and got["steps"] == sum(c["steps"] for c in chunks)
@@ -89,7 +89,7 @@ def test_rollouts_of_fewer_tasks_add_up_and_resume(tmp_path, monkeypatch):
     assert row["merge_rate"] == round(1 - sum(p["edges"] for p in parts) / got["steps"], 4)
     changing = sum(p["gradient_changing_merges"] for p in parts)
     assert row["gradient_changing_share"] == (round(changing / merged, 4) if merged else None)
-  steps = [json.loads(x) for x in (tmp_path / "merges.steps.jsonl").read_text().splitlines()]
+  steps = [json.loads(x) for x in out.with_suffix(".steps.jsonl").read_text().splitlines()]
   assert {(t["rollout"], t["trajectory"]) for t in steps} == {
       (c["chunk"], t["trajectory"]) for c in chunks for t in c["trajectories_steps"]}
 
