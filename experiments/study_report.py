@@ -404,13 +404,21 @@ def _late_curve(r: dict) -> float:
   return statistics.fmean(r["curve"][-LATE_ITERS:])
 
 
+def _early_curve(r: dict) -> float:
+  """Mean training-rollout success over a run's first LATE_ITERS iterations: how fast it learnt
+  (where every method ends near 100%, the one place left for a difference)."""
+  return statistics.fmean(r["curve"][:LATE_ITERS])
+
+
 def paired_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tuple[int, float]]]:
   """{base method: [(seed, SALT's success minus its base's)]} after `it` iterations (the fixed
   measurement of the training tasks, or of the held-out ones with on="heldout"), or with
-  `it="late"` over the training rollouts of the last LATE_ITERS iterations; runs paired by
+  `it="late"` / `it="early"` over the training rollouts of the last / first LATE_ITERS
+  iterations; runs paired by
   (algo, seed); a seed without both runs is left out, two runs of one (algo, salt, seed) are an
   error."""
-  value = _late_curve if it == "late" else (lambda r: _measured(r, it, on))
+  curves = {"late": _late_curve, "early": _early_curve}
+  value = curves[it] if it in curves else (lambda r: _measured(r, it, on))
   by: dict = {}
   for r in runs:
     key = (r["algo"], bool(r["salt"]), r["seed"])
@@ -479,11 +487,12 @@ def four_methods_tables(runs: list[dict]) -> str:
               if any(r["salt"] for r in rows) else "- | - | -")  # merges are SALT's
     lines.append(f"| {m} | {len(rows)} | " + " | ".join(cells) + f" | {100 * valid:.1f} | "
                  + merges + " |")
-  paired = [(i, on) for i, on in measures if i != 0] + [("late", "train")]
+  paired = [(i, on) for i, on in measures if i != 0] + [("early", "train"), ("late", "train")]
   name = {"train": "after {}", "heldout": "held-out after {}"}
   lines += ["", "SALT minus its base, same seed, same warm start and first rollout (points; mean "
             "and 95% t-interval over seeds; wins / ties / losses):", "",
-            "| comparison | seeds | " + " | ".join(name[on].format(i) for i, on in paired[:-1])
+            "| comparison | seeds | " + " | ".join(name[on].format(i) for i, on in paired[:-2])
+            + f" | training rollouts, first {LATE_ITERS} iterations"
             + f" | training rollouts, last {LATE_ITERS} iterations |",
             "|---|---|" + "---|" * len(paired)]
   effects = {(i, on): paired_effects(runs, i, on) for i, on in paired}

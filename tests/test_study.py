@@ -288,6 +288,13 @@ def test_paired_effects_pair_salt_with_its_base_by_seed():
   assert late == [(0, 0.0), (1, 0.0), (2, 0.0)]
   mid = study_report.paired_effects(runs, 2)["RLOO"]
   assert [d for _, d in mid] == pytest.approx([-0.05, -0.06, -0.07])
+  # The training rollouts' first and last LATE_ITERS (10) iterations of 12: different windows.
+  fast = [dict(r, curve=[0.5] * 10 + [0.9] * 2 if r["salt"] else [0.3] * 2 + [0.5] * 10)
+          for r in runs]
+  assert study_report.paired_effects(fast, "early")["GRPO"] == [(s, pytest.approx(0.04))
+                                                                for s in (0, 1, 2)]
+  assert study_report.paired_effects(fast, "late")["GRPO"] == [(s, pytest.approx(0.08))
+                                                               for s in (0, 1, 2)]
   # A seed whose base run is missing is left out; a duplicated run is refused.
   partial = [r for r in runs if not (r["seed"] == 1 and r["algo"] == "grpo" and not r["salt"])]
   assert [s for s, _ in study_report.paired_effects(partial, 4)["GRPO"]] == [0, 2]
@@ -303,6 +310,7 @@ def test_four_methods_tables_and_figure(tmp_path):
   m, lo, hi = study_report.t_interval(d)
   assert "| GRPO+SALT - GRPO | 3 | " in text
   assert f"{m:+.1f} ({lo:+.1f} to {hi:+.1f}); 2/0/1 | +0.0 (+0.0 to +0.0); 0/3/0 |" in text
+  assert "| training rollouts, first 10 iterations | training rollouts, last 10 iterations |" in text
   grpo = next(line for line in text.splitlines() if line.startswith("| GRPO |"))
   assert grpo.endswith("| 50.0 | - | - | - |")  # GRPO alone merges nothing
   assert "| 3 | 50.0 | 56.0 (53.5 to 58.5) |" in grpo  # one clone: no interval at 0
