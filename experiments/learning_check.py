@@ -257,20 +257,24 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
   cfg = dataclasses.replace(check.config, seed=seed, salt=salt, iters=max(check.iters, 1),
                             init_params=init, out=os.path.join(workdir, "run"))
   heldout, held = heldout_task_list(check), {}
+
+  def measure(after_iters: int) -> dict:
+    """The training tasks' measurement now; the held-out tasks' (if any) kept in `held`."""
+    on_training_tasks = sampled_success(tr, check)  # first, as before held-out tasks existed
+    if heldout:
+      held[after_iters] = sampled_success(tr, check, heldout)
+    return on_training_tasks
+
   with Trainer(cfg) as tr:
     tr.setup()
     t1 = time.time()
-    before = sampled_success(tr, check)
-    if heldout:
-      held[0] = sampled_success(tr, check, heldout)
+    before = measure(0)
     t_eval = time.time() - t1
     curve, valid, mid, actions = [], [], {}, {}
     merges = {k: [] for k in MERGE_KEYS}
     for i in range(check.iters):
       if i in check.eval_at:
-        mid[i] = sampled_success(tr, check)
-        if heldout:
-          held[i] = sampled_success(tr, check, heldout)
+        mid[i] = measure(i)
       m = tr.iteration()
       if os.environ.get("LEARNING_CHECK_VERBOSE"):
         print(json.dumps({k: round(float(v), 5) for k, v in m.items()
@@ -283,9 +287,7 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
       if i in (0, check.iters - 1):
         actions[i + 1] = action_counts(tr.last.rollout)
     t_rl = time.time() - t1 - t_eval
-    after = sampled_success(tr, check)
-    if heldout:
-      held[check.iters] = sampled_success(tr, check, heldout)
+    after = measure(check.iters)
   return {"seed": seed, "salt": salt, "before": before, "after": after,
           "rise": round(after["all"] - before["all"], 4), "iters": check.iters, "mid": mid,
           "heldout": held,

@@ -56,6 +56,19 @@ def rollout_config(model: Optional[str], env: str, tasks: int, group_size: int, 
       tensorboard=False, iters=1, **overrides)
 
 
+def _with_shares(row: dict) -> dict:
+  """`row`'s counts at one h with the rates taken from them: merge rate and merged share of the
+  steps, and the kinds of merged step as shares of the merged ones (None when nothing merged)."""
+  n, merged = row["steps"], row["merged_steps"]
+  share = lambda k: round(row[k] / merged, 4) if merged else None  # noqa: E731
+  return {**row, "merge_rate": round((n - row["edges"]) / n, 4) if n else 0.0,
+          "merged_share": round(merged / n, 4) if n else None,
+          "response_differing_share": share("response_differing_merges"),
+          "prompt_differing_share": share("prompt_differing_merges"),
+          "gradient_changing_share": share("gradient_changing_merges"),
+          "merged_valid_share": share("merged_valid_steps")}
+
+
 def merges_by_history(batch, before: np.ndarray, histories: Sequence[int]) -> list[dict]:
   """SALT's exact merges of `batch` (a trainable `RolloutBatch`) at each h, as the trainer logs
   them, with shares of the merged steps; `before`: the steps' group advantages."""
@@ -66,21 +79,12 @@ def merges_by_history(batch, before: np.ndarray, histories: Sequence[int]) -> li
     merge = build_merge_ids(trajs, groups, history=h)
     m = merge_metrics(batch, merge, before)
     merged_mask = np.bincount(merge.ids)[merge.ids] > 1
-    merged = int(m["merged_steps"])
-    share = lambda k: round(m[k] / merged, 4) if merged else None  # noqa: E731
-    rows.append({
-        "h": h, "steps": int(batch.num_total_steps), "merged_steps": merged,
-        "merge_rate": round(float(m["merge_rate"]), 4),
-        "merged_share": round(merged / batch.num_total_steps, 4) if batch.num_total_steps else None,
+    rows.append(_with_shares({
+        "h": h, "steps": int(batch.num_total_steps), "merged_steps": int(m["merged_steps"]),
         "response_differing_merges": int(m["response_differing_merges"]),
-        "response_differing_share": share("response_differing_merges"),
         "prompt_differing_merges": int(m["cross_prompt_merges"]),
-        "prompt_differing_share": share("cross_prompt_merges"),
         "gradient_changing_merges": int(m["gradient_changing_merges"]),
-        "gradient_changing_share": share("gradient_changing_merges"),
-        "merged_valid_steps": int(valid[merged_mask].sum()),
-        "edges": int(merge.num_segments),
-        "merged_valid_share": round(float(valid[merged_mask].mean()), 4) if merged else None})
+        "merged_valid_steps": int(valid[merged_mask].sum()), "edges": int(merge.num_segments)}))
   return rows
 
 
@@ -116,19 +120,9 @@ def _total(chunks: list[dict]) -> dict:
   reasons = collections.Counter()
   for c in chunks:
     reasons.update(c["parse_reasons"])
-  rows = []
-  for i, first in enumerate(chunks[0]["by_history"]):
-    row = {"h": first["h"], **{k: sum(c["by_history"][i][k] for c in chunks)
-                               for k in _SUMMED_BY_H}}
-    n, merged = row["steps"], row["merged_steps"]
-    share = lambda k: round(row[k] / merged, 4) if merged else None  # noqa: E731 pylint: disable=cell-var-from-loop
-    row.update(merge_rate=round((n - row["edges"]) / n, 4) if n else 0.0,
-               merged_share=round(merged / n, 4) if n else None,
-               response_differing_share=share("response_differing_merges"),
-               prompt_differing_share=share("prompt_differing_merges"),
-               gradient_changing_share=share("gradient_changing_merges"),
-               merged_valid_share=share("merged_valid_steps"))
-    rows.append(row)
+  rows = [_with_shares({"h": first["h"], **{k: sum(c["by_history"][i][k] for c in chunks)
+                                            for k in _SUMMED_BY_H}})
+          for i, first in enumerate(chunks[0]["by_history"])]
   kept = tot["trajectories"] - tot["failed"]
   return {"trajectories": tot["trajectories"], "failed": tot["failed"], "steps": tot["steps"],
           "valid_action_share": round(tot["valid_steps"] / tot["steps"], 4),

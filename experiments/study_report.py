@@ -414,9 +414,8 @@ def paired_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tu
   """{base method: [(seed, SALT's success minus its base's)]} after `it` iterations (the fixed
   measurement of the training tasks, or of the held-out ones with on="heldout"), or with
   `it="late"` / `it="early"` over the training rollouts of the last / first LATE_ITERS
-  iterations; runs paired by
-  (algo, seed); a seed without both runs is left out, two runs of one (algo, salt, seed) are an
-  error."""
+  iterations; runs paired by (algo, seed); a seed without both runs is left out, two runs of one
+  (algo, salt, seed) are an error."""
   curves = {"late": _late_curve, "early": _early_curve}
   value = curves[it] if it in curves else (lambda r: _measured(r, it, on))
   by: dict = {}
