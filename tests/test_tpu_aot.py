@@ -104,41 +104,6 @@ def test_a_program_larger_than_hbm_is_reported_not_raised(mesh):
   assert report.needed_bytes > tpu_aot.compiler_hbm_limit(mesh)
 
 
-def test_table_carries_shallow_compiles_to_full_depth(tmp_path):
-  import tpu_aot_table  # pylint: disable=import-outside-toplevel
-
-  def write(name, layers, programs, state=None, **config):
-    d = dict(model="qwen2.5-7b", num_layers=layers, topology="v4:2x2x1", prompt_len=2048,
-             mesh="4x2", chip_config=None, hbm_limit=15 * tpu_aot.GIB, ref_dtype="bfloat16",
-             config={"param_dtype": "bfloat16", "minibatch_rows": 256, "microbatch_rows": 4,
-                     **config},
-             state=state or {}, programs=programs)
-    (tmp_path / name).write_text(__import__("json").dumps(d))
-    return str(tmp_path / name)
-
-  def update(layers):  # 1 GiB of temporaries and 0.1 GiB of reference a layer, 2 GiB beside
-    g = tpu_aot.GIB
-    return {"update": dict(fits=True, resident_bytes=int(0.1 * g * layers), argument_bytes=g,
-                           output_bytes=g, alias_bytes=g, temp_bytes=2 * g + layers * g,
-                           needed_bytes=None)}
-
-  state = dict(params=1, opt_state=2, ref_params=1)
-  files = [write("a.json", 1, update(1)), write("b.json", 2, update(2)),
-           write("s.json", 28, {}, state)]
-  (row,) = tpu_aot_table.rows(files)
-  assert row["basis"] == "carried from 1 and 2 layers" and row["state"] == state
-  assert row["total"] == pytest.approx((2.8 + 1 + 30) * tpu_aot.GIB)  # 28 layers
-  assert not row["fits"]
-  assert "| qwen2.5-7b | v4:2x2x1 | 4x2 | bfloat16 / bfloat16 | 4 / 256 | update | NO |" in (
-      tpu_aot_table.markdown([row]))
-  # Mixed precision is its own row, labelled with its compute dtype.
-  mixed = write("m.json", 28, update(28), param_dtype="float32", compute_dtype="bfloat16")
-  rows = tpu_aot_table.rows(files + [mixed])
-  assert len(rows) == 2
-  assert "| 4x2 | float32 (bfloat16 compute) / bfloat16 | 4 / 256 | update |" in (
-      tpu_aot_table.markdown(rows))
-
-
 @pytest.mark.slow  # two compiles of the update
 def test_resident_state_as_kept_arguments(mesh):
   shape = tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32))
@@ -159,3 +124,44 @@ def test_mixed_precision_policy_computes_in_bfloat16_over_float32_parameters(mes
   assert model.dtype == jnp.bfloat16
   model, _, _ = tpu_aot.abstract_policy(MODEL, mesh, jnp.bfloat16)
   assert model.dtype == jnp.bfloat16 and model.param_dtype == jnp.bfloat16
+
+
+@pytest.mark.slow  # two compiles of the LoRA stand-in
+def test_lora_stand_in_figures_are_the_compiled_programs(mesh):
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import tpu_aot_lora  # pylint: disable=import-outside-toplevel
+  from salt_jax import batching  # pylint: disable=import-outside-toplevel
+  model = dataclasses.replace(MODEL, num_layers=2)
+  config = dataclasses.replace(CONFIG, remat_policy="full")
+  out = tpu_aot_lora.compile_lora("tiny", model, "v4:2x2x1", "4x2", config, PROMPT)
+  p = out["programs"]["lora"]
+  assert out["rows"] == 4 and out["config"]["microbatch_rows"] == 4  # one row a data shard
+  assert out["config"]["remat_policy"] == "full" and out["config"]["param_dtype"] == "bfloat16"
+  assert out["num_layers"] == 2 and out["hbm_limit"] == tpu_aot.compiler_hbm_limit(mesh)
+  # The same program compiled here: its own memory analysis is what the figures say.
+  cfg = TrainConfig.from_recipe("verl-agent", **{
+      **{k: getattr(config, k) for k in ("tasks_per_iter", "group_size", "max_steps",
+                                         "max_new_tokens", "max_cache_len", "min_seq_len",
+                                         "logprob_chunk", "remat_policy")},
+      "param_dtype": "bfloat16", "microbatch_rows": 4})
+  _, graphdef, state = tpu_aot.abstract_policy(dataclasses.replace(model, remat_policy="full"),
+                                               mesh, jnp.bfloat16)
+  shape = tpu_aot.run_shape(cfg, mesh, PROMPT, jnp.dtype("bfloat16"))
+  mb = tpu_aot.minibatch(mesh, 4, shape.seq_len)
+  adv = tpu_aot._on(mesh, (batching.bucket_length(  # pylint: disable=protected-access
+      cfg.tasks_per_iter * cfg.group_size * cfg.max_steps, 64),), jnp.float32)
+  step = tpu_aot_lora.lora_step(graphdef, cfg)
+  mem = _compiled(step, (state, mb, adv)).memory_analysis()
+  assert p["fits"] and p["resident_bytes"] == 0 and p["flops"] is None  # see compile_lora
+  assert p["argument_bytes"] == mem.argument_size_in_bytes
+  assert p["temp_bytes"] == mem.temp_size_in_bytes
+  assert p["total_bytes"] == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                              - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  assert out["state"]["params"] == tpu_aot.device_bytes(state)
+  # Layer remat is in the program: each decoder layer under a checkpoint (beyond the log-probs'
+  # own recomputed logits chunk, there without layer remat too).
+  _, plain_graphdef, _ = tpu_aot.abstract_policy(model, mesh, jnp.bfloat16)
+  plain = dataclasses.replace(cfg, remat_policy="none")
+  remats = [str(jax.make_jaxpr(tpu_aot_lora.lora_step(g, c))(state, mb, adv)).count("remat2[")
+            for g, c in ((graphdef, cfg), (plain_graphdef, plain))]
+  assert remats[0] - remats[1] == 2

@@ -93,6 +93,22 @@ def test_logprob_passes_give_the_same_logprobs(mesh):
   assert temps["logprob 4"] < temps["whole"]
 
 
+def test_logprob_passes_with_layer_remat(mesh):
+  """Layer remat inside the log-prob passes' lax.map (a run with --remat-policy full and
+  micro-batches): it runs, and gives the log-probs of one pass without remat."""
+  tx = optax.sgd(0.1)
+  mb = _minibatch(mesh)
+  got = {}
+  for policy, change in (("none", {}), ("full", dict(logprob_microbatch_rows=4)),
+                         ("full", dict(microbatch_rows=4))):
+    graphdef, params = _policy(mesh, policy)
+    (logprobs, _), _ = _programs(dataclasses.replace(CONFIG, **change), graphdef, params, tx,
+                                 mesh)
+    got[policy, tuple(change)] = np.asarray(logprobs(*_logprob_args(params, mb)))
+  for key in (("full", ("logprob_microbatch_rows",)), ("full", ("microbatch_rows",))):
+    np.testing.assert_allclose(got[key], got["none", ()], rtol=1e-6, atol=1e-6, err_msg=str(key))
+
+
 def test_logprob_pass_rows_must_divide_the_minibatch():
   with pytest.raises(ValueError, match=r"logprob_microbatch_rows \(3\) must divide "
                                        r"minibatch_rows \(8\)"):

@@ -363,10 +363,17 @@ class CausalLM(nnx.Module):
     cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
     shard = self.activation_sharding
     x = self._embed(ids)
-    run_layer = lambda layer, *args: layer(*args, shard)  # noqa: E731
-    if self.config.remat_policy == "full":
-      # Under jax.grad only each layer's input is kept; the backward pass reruns the layer.
-      run_layer = nnx.remat(run_layer)
+    remat = self.config.remat_policy == "full"
+
+    def run_layer(layer, *args):
+      if not remat:
+        return layer(*args, shard)
+      # Under jax.grad only each layer's input is kept; the backward pass reruns the layer. The
+      # layer goes in as plain arrays and is rebuilt inside: nnx.remat would refuse a layer whose
+      # Variables were made at an outer trace level (e.g. a lax.map over log-prob passes).
+      graphdef, state = nnx.split(layer)
+      return jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a, shard))(state, *args)
+
     for layer in self.layers:
       x = run_layer(layer, x, cos, sin, attn_mask)
     return self.final_norm(x)
