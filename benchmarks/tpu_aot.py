@@ -212,6 +212,13 @@ def minibatch(mesh: Mesh, rows: int, length: int) -> dict:
   return out
 
 
+def step_advantages(config: TrainConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
+  """The update's step advantages: one per step row of an iteration, bucketed as the trainer
+  pads them."""
+  return _on(mesh, (batching.bucket_length(
+      config.tasks_per_iter * config.group_size * config.max_steps, 64),), jnp.float32)
+
+
 def compile_program(name: str, fn: Callable, args: Sequence, resident_bytes: int,
                     **kwargs) -> tuple[ProgramReport, Any]:
   """Lowers and compiles jitted `fn` on `args`; returns its report and the compiled program
@@ -289,8 +296,7 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
   opt_state = abstract_opt_state(tx, params, mesh)
   ref_params = with_dtype(params, shape.ref_dtype)
   param_b, opt_b, ref_b = map(device_bytes, (params, opt_state, ref_params))
-  step_adv = _on(mesh, (batching.bucket_length(
-      cfg.tasks_per_iter * cfg.group_size * cfg.max_steps, 64),), jnp.float32)
+  step_adv = step_advantages(cfg, mesh)
 
   def programs_for(config, rows):
     return update.update_programs(config, graphdef, tx, rows,
@@ -519,15 +525,25 @@ def main(argv=None) -> int:
   print(format_report(reports, state, chip, limit, args.utilisation), flush=True)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(dict(model=args.model, num_layers=model_config.num_layers,
-                     topology=args.topology, prompt_len=args.prompt_len, mesh=args.mesh,
-                     chip_config=args.chip_config, resident_as_args=args.resident_as_args,
-                     chip=chip, hbm_limit=limit, state=state,
-                     rows=shape.rows, seq_len=shape.seq_len, config=config.to_json(),
-                     ref_dtype=ref_dtype.name,
-                     programs={k: {**dataclasses.asdict(v), "total_bytes": v.total_bytes}
-                               for k, v in reports.items()}), f, indent=1)
+      json.dump(record(args.model, model_config, args.topology, args.chip_config, args.mesh, chip,
+                       config, shape, state, reports, resident_as_args=args.resident_as_args,
+                       prompt_len=args.prompt_len, hbm_limit=limit), f, indent=1)
   return 0
+
+
+def record(model_name: str, model_config: ModelConfig, topology: str, chip_config: str | None,
+           mesh_shape: str, chip: Mapping, config: TrainConfig, shape: RunShape,
+           state: Mapping[str, int], reports: Mapping[str, ProgramReport], *,
+           resident_as_args: bool, prompt_len: int, hbm_limit: int | None) -> dict:
+  """The `--json` file: one compile's settings and figures, as `tpu_aot_table.py` reads them."""
+  return dict(model=model_name, num_layers=model_config.num_layers, topology=topology,
+              prompt_len=prompt_len, mesh=mesh_shape, chip_config=chip_config,
+              resident_as_args=resident_as_args, chip=dict(chip), hbm_limit=hbm_limit,
+              state=dict(state), rows=shape.rows, seq_len=shape.seq_len, config=config.to_json(),
+              ref_dtype=jnp.dtype(shape.ref_dtype).name if shape.ref_dtype is not None
+              else "none",
+              programs={k: {**dataclasses.asdict(v), "total_bytes": v.total_bytes}
+                        for k, v in reports.items()})
 
 
 if __name__ == "__main__":

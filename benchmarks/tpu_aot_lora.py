@@ -31,7 +31,6 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import salt_jax  # noqa: E402
-from salt_jax import batching  # noqa: E402
 from salt_jax.config import TrainConfig  # noqa: E402
 from salt_jax.logprobs import token_logprobs_and_entropy  # noqa: E402
 from salt_jax.models import ModelConfig  # noqa: E402
@@ -73,19 +72,18 @@ def compile_lora(model_name: str, model_config: ModelConfig, topology: str, mesh
   model_config = dataclasses.replace(model_config, remat_policy=cfg.remat_policy)
   _, graphdef, state = tpu_aot.abstract_policy(model_config, mesh, jnp.bfloat16)
   mb = tpu_aot.minibatch(mesh, rows, shape.seq_len)
-  adv = tpu_aot._on(mesh, (batching.bucket_length(  # pylint: disable=protected-access
-      cfg.tasks_per_iter * cfg.group_size * cfg.max_steps, 64),), jnp.float32)
+  adv = tpu_aot.step_advantages(cfg, mesh)
   report, _ = tpu_aot.compile_program("lora", lora_step(graphdef, cfg), (state, mb, adv), 0)
   report.note = "LoRA stand-in: gradients for the norm scales, base frozen in bf16"
   # The compiled count holds one pass of the log-prob chunk loop: not the program's FLOPs.
   report.flops = report.bytes_accessed = None
-  return dict(model=model_name, num_layers=model_config.num_layers, topology=topology,
-              prompt_len=prompt_len, mesh=mesh_shape, chip_config=chip_config,
-              resident_as_args=False, chip=tpu_aot.chip_figures(mesh),
-              hbm_limit=tpu_aot.compiler_hbm_limit(mesh),
-              state=dict(params=tpu_aot.device_bytes(state), opt_state=0, ref_params=0),
-              rows=rows, seq_len=shape.seq_len, config=cfg.to_json(), ref_dtype="none",
-              programs={"lora": {**dataclasses.asdict(report), "total_bytes": report.total_bytes}})
+  # No AdamW state and no reference copy: the base's bytes are the state.
+  base = dict(params=tpu_aot.device_bytes(state), opt_state=0, ref_params=0)
+  return tpu_aot.record(model_name, model_config, topology, chip_config, mesh_shape,
+                        tpu_aot.chip_figures(mesh), cfg,
+                        dataclasses.replace(shape, rows=rows, ref_dtype=None), base,
+                        {"lora": report}, resident_as_args=False, prompt_len=prompt_len,
+                        hbm_limit=tpu_aot.compiler_hbm_limit(mesh))
 
 
 def main(argv=None) -> int:

@@ -82,8 +82,8 @@ def _parts(p: dict) -> tuple[float, float, float, float]:
   return p["resident_bytes"], p["argument_bytes"], 0, p["needed_bytes"]
 
 
-def rows(files: list[str]) -> list[dict]:
-  """One row per (run, program): its figures at the preset's full depth."""
+def _load(files: list[str]) -> tuple[dict, dict]:
+  """({program key: {layers: (file dict, program dict)}}, {run key: state-alone file dict})."""
   by_key = collections.defaultdict(dict)
   states = {}
   for f in files:
@@ -94,14 +94,23 @@ def rows(files: list[str]) -> list[dict]:
       states[_key(d, None)[:6]] = d
     for name, p in d["programs"].items():
       by_key[_key(d, name)][d.get("num_layers")] = (d, p)
+  return by_key, states
+
+
+def _slice(d: dict) -> str:
+  return d["topology"] + (f" ({d['chip_config']})" if d.get("chip_config") else "")
+
+
+def rows(files: list[str]) -> list[dict]:
+  """One row per (run, program): its figures at the preset's full depth."""
+  by_key, states = _load(files)
   out = []
   for skey, d in states.items():  # the state alone: params + AdamW + reference against the limit
     if any(k[:6] == skey for k in by_key):
       continue
     st = d["state"]
     total = st["params"] + st["opt_state"] + st["ref_params"]
-    out.append(dict(key=skey, model=d["model"], topology=d["topology"] + (
-        f" ({d['chip_config']})" if d.get("chip_config") else ""), mesh=d["mesh"], dtype=skey[4],
+    out.append(dict(key=skey, model=d["model"], topology=_slice(d), mesh=d["mesh"], dtype=skey[4],
                     ref_dtype=skey[5], micro=None, minibatch=None, prompt=None,
                     program="(state alone)", parts=(total, 0, 0, 0), total=total,
                     limit=d["hbm_limit"], fits=total <= d["hbm_limit"],
@@ -137,8 +146,7 @@ def rows(files: list[str]) -> list[dict]:
         basis += "; the program alone fits, not with the resident state beside it"
       fits = total <= limit
     state = states.get(key[:6], {}).get("state")
-    out.append(dict(key=key, model=d["model"], topology=d["topology"] + (
-        f" ({d['chip_config']})" if d.get("chip_config") else ""), mesh=d["mesh"],
+    out.append(dict(key=key, model=d["model"], topology=_slice(d), mesh=d["mesh"],
                     dtype=key[4], ref_dtype=key[5], micro=key[7], minibatch=key[6],
                     prompt=key[8], program=key[9], parts=parts, total=total, limit=limit,
                     fits=fits, basis=basis, state=state, files=[r[0]["file"] for r in
@@ -169,10 +177,10 @@ def _extrapolate(a: int, x: float, b: int, y: float, full: int) -> float:
   return y + (full - b) * (y - x) / (b - a)
 
 
-def _carry(by_layers: dict, full: int, value) -> tuple[float, str] | None:
-  """`value(d, p)` at `full` layers: compiled there, else carried linearly from the two deepest
-  shallower compiles (FLOPs and bytes moved grow by the same amount with each layer)."""
-  have = {n: value(d, p) for n, (d, p) in by_layers.items() if value(d, p) is not None}
+def _carry(by_layers: dict, full: int, field: str) -> tuple[float, str] | None:
+  """A program's `field` at `full` layers: compiled there, else carried linearly from the two
+  deepest shallower compiles (FLOPs and bytes moved grow by the same amount with each layer)."""
+  have = {n: p[field] for n, (_, p) in by_layers.items() if p.get(field) is not None}
   if full in have:
     return have[full], f"compiled, {full} layers"
   shallow = sorted((n, v) for n, v in have.items() if n < full)[-2:]
@@ -186,25 +194,17 @@ def flop_rows(files: list[str], utilisation: float = UTILISATION) -> list[dict]:
   """One row per (run, program) with FLOPs: per device at the preset's full depth, the step time
   they imply at the chip's peak and at `utilisation` of it, and for the decode step the bytes it
   moves and their time at the chip's bandwidth (a decode step is bound by memory traffic)."""
-  by_key = collections.defaultdict(dict)
-  for f in files:
-    with open(f, encoding="utf-8") as fh:
-      d = json.load(fh)
-    for name, p in d["programs"].items():
-      if p.get("flops") is not None:
-        by_key[_key(d, name)][d.get("num_layers")] = (d, p)
+  by_key, _ = _load(files)
   out = []
   for key, runs in sorted(by_key.items(), key=lambda kv: str(kv[0])):
     d = next(iter(runs.values()))[0]
     full = PRESETS[d["model"]].num_layers
-    flops = _carry(runs, full, lambda _, p: p["flops"])
+    flops = _carry(runs, full, "flops")
     if flops is None:
       continue
-    moved = (_carry(runs, full, lambda _, p: p.get("bytes_accessed")) if key[9] == "decode"
-             else None)
+    moved = _carry(runs, full, "bytes_accessed") if key[9] == "decode" else None
     peak, bandwidth = d["chip"]["peak"], d["chip"]["bandwidth"]
-    out.append(dict(key=key, model=d["model"], topology=d["topology"] + (
-        f" ({d['chip_config']})" if d.get("chip_config") else ""), mesh=d["mesh"], dtype=key[4],
+    out.append(dict(key=key, model=d["model"], topology=_slice(d), mesh=d["mesh"], dtype=key[4],
                     micro=key[7], minibatch=key[6], program=key[9], flops=flops[0],
                     t_peak=flops[0] / peak if peak else None,
                     t_util=flops[0] / peak / utilisation if peak else None,

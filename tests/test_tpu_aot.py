@@ -130,7 +130,6 @@ def test_mixed_precision_policy_computes_in_bfloat16_over_float32_parameters(mes
 def test_lora_stand_in_figures_are_the_compiled_programs(mesh):
   import dataclasses  # pylint: disable=import-outside-toplevel
   import tpu_aot_lora  # pylint: disable=import-outside-toplevel
-  from salt_jax import batching  # pylint: disable=import-outside-toplevel
   model = dataclasses.replace(MODEL, num_layers=2)
   config = dataclasses.replace(CONFIG, remat_policy="full")
   out = tpu_aot_lora.compile_lora("tiny", model, "v4:2x2x1", "4x2", config, PROMPT)
@@ -148,8 +147,7 @@ def test_lora_stand_in_figures_are_the_compiled_programs(mesh):
                                                mesh, jnp.bfloat16)
   shape = tpu_aot.run_shape(cfg, mesh, PROMPT, jnp.dtype("bfloat16"))
   mb = tpu_aot.minibatch(mesh, 4, shape.seq_len)
-  adv = tpu_aot._on(mesh, (batching.bucket_length(  # pylint: disable=protected-access
-      cfg.tasks_per_iter * cfg.group_size * cfg.max_steps, 64),), jnp.float32)
+  adv = tpu_aot.step_advantages(cfg, mesh)
   step = tpu_aot_lora.lora_step(graphdef, cfg)
   mem = _compiled(step, (state, mb, adv)).memory_analysis()
   assert p["fits"] and p["resident_bytes"] == 0 and p["flops"] is None  # see compile_lora
