@@ -388,20 +388,31 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
   scalar = _on(mesh, (), jnp.int32, batch=False)
   key = jax.eval_shape(lambda: jax.random.key(0))
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
-  prefill_args = (params, None, None, _on(mesh, (batch, cache), jnp.bool_),
-                  _on(mesh, (batch, prompt), jnp.int32), _on(mesh, (batch, prompt), jnp.int32),
-                  _on(mesh, (batch, prompt), jnp.bool_), scalar, scalar, key, knobs)
+
+  def prefill_args(rows):
+    return (params, None, None, _on(mesh, (rows, cache), jnp.bool_),
+            _on(mesh, (rows, prompt), jnp.int32), _on(mesh, (rows, prompt), jnp.int32),
+            _on(mesh, (rows, prompt), jnp.bool_), scalar, scalar, key, knobs)
+
   out = {}
-  prefill, prefill_compiled = compile_program("prefill", sampler._prefill, prefill_args,
+  prefill, prefill_compiled = compile_program("prefill", sampler._prefill, prefill_args(batch),
                                                resident_bytes, mode=mode)
   prefill.note = f"batch {batch}, prompt {prompt}, cache {cache}"
   if "prefill" in programs:
     out["prefill"] = prefill
   if "decode" in programs:
-    loop = jax.eval_shape(functools.partial(sampler._prefill, mode=mode), *prefill_args)
-    if prefill_compiled is not None:
+    # The decode step takes the prefill's output (the loop state) in the layout the compiler
+    # chose for it. Where the full batch's prefill was refused, the largest smaller batch's
+    # prefill that compiles gives that layout (a sharding does not depend on the batch size).
+    layout_rows, layout = batch, prefill_compiled
+    while layout is None and 0 < sampler._pad_batch(layout_rows // 2) < layout_rows:
+      layout_rows = sampler._pad_batch(layout_rows // 2)
+      _, layout = compile_program("prefill", sampler._prefill, prefill_args(layout_rows),
+                                  resident_bytes, mode=mode)
+    loop = jax.eval_shape(functools.partial(sampler._prefill, mode=mode), *prefill_args(batch))
+    if layout is not None:
       loop = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          loop, prefill_compiled.output_shardings)
+                          loop, layout.output_shardings)
     else:
       loop = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=batch_sharding(mesh, x.ndim) if x.ndim else
@@ -409,6 +420,10 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
     decode, _ = compile_program("decode", sampler._decode, (params, loop, knobs, scalar),
                                 resident_bytes, mode=mode)
     decode.note = f"one step of batch {batch}, cache {cache}"
+    if layout is None:
+      decode.note += "; loop state laid out by batch (no prefill compiled)"
+    elif layout_rows != batch:
+      decode.note += f"; loop state laid out as the {layout_rows}-row prefill's"
     out["decode"] = decode
   return out
 

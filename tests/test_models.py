@@ -514,13 +514,18 @@ def test_cut_attention_matches_whole_batch(cut, mesh, monkeypatch):
     np.testing.assert_allclose(np.asarray(a), b, atol=1e-5 * np.abs(b).max(), rtol=0)
 
 
-@pytest.mark.parametrize("mesh", [None, "2x1", "1x2"])
-def test_query_blocks_match_batched_attention_with_gradients(mesh, monkeypatch):
+@pytest.mark.parametrize("mesh,block,runs,bodies", [
+    (None, 3, 2, 3),    # 10 tokens: runs of 1 and 2 blocks of 3 (keys up to 3 and 9), a tail of 1
+    ("2x1", 2, 2, 2),   # runs of 2 and 3 blocks of 2, no tail
+    ("1x2", 4, 4, 3)])  # more runs than blocks: 2 runs of one block, a tail of 2
+def test_query_blocks_match_batched_attention_with_gradients(mesh, block, runs, bodies,
+                                                             monkeypatch):
   # 'query_blocks' (long rows on accelerators) against 'batched' on the same weights: logits and
-  # gradients, on one device and with the batch or the heads split over a mesh; blocks of 4
-  # queries over 10 tokens (4, 4 and 2), each block under a checkpoint.
+  # gradients, on one device and with the batch or the heads split over a mesh; each run of
+  # blocks one loop whose body is under a checkpoint, a partial last block alone.
   from salt_jax.models import qwen2, shard_model
-  monkeypatch.setattr(qwen2, "_QUERY_BLOCK", 4)
+  monkeypatch.setattr(qwen2, "_QUERY_BLOCK", block)
+  monkeypatch.setattr(qwen2, "_QUERY_BLOCK_RUNS", runs)
   tensors = random_state_dict(ModelConfig.tiny(), seed=0, std=0.1)
   ids, mask = _prompts(4, 10, seed=3)
 
@@ -538,7 +543,7 @@ def test_query_blocks_match_batched_attention_with_gradients(mesh, monkeypatch):
 
   want_logits, want_grads, plain = logits_and_grads("batched")
   logits, grads, blocked = logits_and_grads("query_blocks")
-  assert blocked - plain == 3 * ModelConfig.tiny().num_layers  # one checkpoint a block a layer
+  assert blocked - plain == bodies * ModelConfig.tiny().num_layers  # checkpointed bodies a layer
   np.testing.assert_allclose(np.asarray(logits)[mask], np.asarray(want_logits)[mask],
                              atol=1e-5, rtol=0)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

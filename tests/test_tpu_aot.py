@@ -4,6 +4,7 @@ reported figures checked against the compiled programs' own memory and cost anal
 Needs libtpu (`pip install -e ".[tpu-aot]"`); skipped without it.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -95,6 +96,41 @@ def test_sampler_figures_and_the_hbm_limit(mesh):
   assert 14 * tpu_aot.GIB < limit <= 16 * tpu_aot.GIB
   chip = tpu_aot.chip_figures(mesh)
   assert chip["devices_per_chip"] == 2 and chip["hbm"] == 16 * tpu_aot.GIB
+
+
+@pytest.mark.slow  # six compiles of the sampler's programs
+def test_a_refused_prefill_leaves_the_decode_the_layout_of_a_smaller_one(mesh, monkeypatch):
+  # The decode step takes the prefill's output in the layout the compiler chose. Where the full
+  # batch's prefill is refused (here: made to be), a smaller batch's prefill gives that layout,
+  # and the decode compiles as it does behind the full prefill; with none compiled, the note says
+  # that the layout is by batch.
+  shape = tpu_aot.run_shape(dataclasses.replace(CONFIG, tasks_per_iter=4), mesh, PROMPT,
+                            jnp.dtype(jnp.float32))
+  assert shape.sampler_batch == 8
+  want = tpu_aot.compile_sampler(shape, mesh, MODEL, PROMPT)["decode"]
+  compile_program, prefill_rows = tpu_aot.compile_program, []
+
+  def refuse_prefills_over(limit):
+    def compile_or_refuse(name, fn, args, resident_bytes, **kwargs):
+      if name == "prefill":
+        prefill_rows.append(args[3].shape[0])
+        if args[3].shape[0] > limit:
+          return tpu_aot.ProgramReport(name, False, resident_bytes, 0, needed_bytes=1), None
+      return compile_program(name, fn, args, resident_bytes, **kwargs)
+    return compile_or_refuse
+
+  monkeypatch.setattr(tpu_aot, "compile_program", refuse_prefills_over(4))
+  got = tpu_aot.compile_sampler(shape, mesh, MODEL, PROMPT)
+  assert prefill_rows == [8, 4] and not got["prefill"].fits  # 4: the data axis's size
+  assert got["decode"].note == "one step of batch 8, cache 64; loop state laid out as the 4-row " \
+                               "prefill's"
+  for field in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops"):
+    assert getattr(got["decode"], field) == getattr(want, field), field
+  prefill_rows.clear()
+  monkeypatch.setattr(tpu_aot, "compile_program", refuse_prefills_over(0))
+  got = tpu_aot.compile_sampler(shape, mesh, MODEL, PROMPT, programs=("decode",))
+  assert prefill_rows == [8, 4] and set(got) == {"decode"} and got["decode"].fits
+  assert got["decode"].note.endswith("; loop state laid out by batch (no prefill compiled)")
 
 
 def test_a_program_larger_than_hbm_is_reported_not_raised(mesh):

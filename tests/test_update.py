@@ -6,6 +6,7 @@ parameters with and without layer remat.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -123,22 +124,30 @@ def test_layer_remat_gives_the_same_step(mesh):
   tx = optax.adam(1e-2)
   mb = _minibatch(mesh, seed=1)
   step_adv = jax.device_put(jnp.linspace(-1.0, 1.0, ROWS), batch_sharding(mesh, 1))
-  out, remats = {}, {}
-  for policy in ("none", "full"):
+  out, remats, kept_split = {}, {}, {}
+  for policy in ("none", "full", "full_sequence_sharded"):
     graphdef, params = _policy(mesh, policy)
     (_, train_step), opt_state = _programs(CONFIG, graphdef, params, tx, mesh)
     # Recomputed blocks in the step (jax's remat primitive; the log-probs' chunks are one).
-    remats[policy] = str(jax.make_jaxpr(train_step)(params, opt_state, mb, step_adv)).count(
-        "remat")
+    jaxpr = str(jax.make_jaxpr(train_step)(params, opt_state, mb, step_adv))
+    remats[policy] = jaxpr.count("remat")
+    # Layer inputs laid out with the sequence over the model axis (the 4x2 mesh's 2).
+    constraints = re.findall(r"sharding_constraint\[(?:\n[^\n]*){4}", jaxpr)
+    kept_split[policy] = sum("spec=P('data', 'model', None)" in c for c in constraints)
     new_params, _, metrics = train_step(params, opt_state, mb, step_adv)
     out[policy] = (jax.tree.map(np.asarray, new_params), jax.tree.map(np.asarray, metrics))
-  assert remats["full"] == remats["none"] + MODEL.num_layers
-  (p_none, m_none), (p_full, m_full) = out["none"], out["full"]
+  assert remats["full"] == remats["full_sequence_sharded"] == remats["none"] + MODEL.num_layers
+  assert kept_split["none"] == kept_split["full"] == 0
+  assert kept_split["full_sequence_sharded"] >= MODEL.num_layers
+  p_none, m_none = out["none"]
   assert not m_none["skipped"] and m_none["grad_norm"] > 0
-  for k in ("loss", "grad_norm", "pg_loss", "kl", "entropy", "clip_fraction"):
-    np.testing.assert_allclose(m_full[k], m_none[k], rtol=1e-5, atol=1e-7, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               p_full, p_none)
+  for policy in ("full", "full_sequence_sharded"):
+    p_remat, m_remat = out[policy]
+    for k in ("loss", "grad_norm", "pg_loss", "kl", "entropy", "clip_fraction"):
+      np.testing.assert_allclose(m_remat[k], m_none[k], rtol=1e-5, atol=1e-7,
+                                 err_msg=f"{policy} {k}")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 p_remat, p_none)
 
 
 def test_layer_remat_gradients_match():

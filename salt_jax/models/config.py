@@ -30,7 +30,8 @@ ATTENTION_IMPLS: Mapping[str, str] = {
                        "dots instead of YNNPACK (faster on some AVX2-only CPUs at short caches)",
     "query_blocks": "as 'batched', but a long sequence's queries a block at a time, each block "
                     "recomputed in the backward pass: a layer holds one block's scores instead "
-                    "of the whole square (long rows on accelerators, e.g. AppWorld's)",
+                    "of the whole square (long rows on accelerators, e.g. AppWorld's); causal "
+                    "blocks run as 4 loops over the keys up to each loop's last query",
 }
 
 # Remat policy name -> what a differentiated forward pass (`hidden_states` under jax.grad) keeps
@@ -39,6 +40,9 @@ REMAT_POLICIES: Mapping[str, str] = {
     "none": "every decoder layer's activations (attention scores included): no recomputation",
     "full": "each decoder layer's input only; the backward pass recomputes the layer's forward, "
             "so one layer's activations are live at a time",
+    "full_sequence_sharded": "as 'full', each kept input split along the sequence over the "
+                             "mesh's model axis (a layer gathers it again when it runs): the "
+                             "kept inputs take 1/model of the memory, for long rows",
 }
 
 

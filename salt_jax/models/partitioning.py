@@ -42,6 +42,7 @@ class ShardingRules:
   norm_d: P = P(None)
   # Activations.
   act_btd: P = P(_D, None, None)
+  act_btd_kept: P = P(_D, _M, None)  # a layer input kept for the backward pass (see remat)
   act_btnh: P = P(_D, None, _M, None)
   act_btf: P = P(_D, None, _M)
   logits_btv: P = P(_D, None, _M)
