@@ -405,8 +405,8 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
     # chose for it. Where the full batch's prefill was refused, the largest smaller batch's
     # prefill that compiles gives that layout (a sharding does not depend on the batch size).
     layout_rows, layout = batch, prefill_compiled
-    while layout is None and 0 < sampler._pad_batch(layout_rows // 2) < layout_rows:
-      layout_rows = sampler._pad_batch(layout_rows // 2)
+    while layout is None and (smaller := sampler._pad_batch(layout_rows // 2)) < layout_rows:
+      layout_rows = smaller
       _, layout = compile_program("prefill", sampler._prefill, prefill_args(layout_rows),
                                   resident_bytes, mode=mode)
     loop = jax.eval_shape(functools.partial(sampler._prefill, mode=mode), *prefill_args(batch))
