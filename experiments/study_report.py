@@ -387,6 +387,11 @@ def _measured(r: dict, it: int, on: str = "train") -> float:
   return _measurement(r, it, on)["all"]
 
 
+def _measured_after(r: dict, it: int) -> bool:
+  """Whether a learning-check run was measured on its training tasks after `it` iterations."""
+  return it in (0, r["iters"]) or str(it) in r["mid"] or it in r["mid"]
+
+
 def _checkpoints(runs: list[dict]) -> list[int]:
   """Iteration counts after which every run was measured: 0, the shared `mid` ones, the last."""
   iters = {r["iters"] for r in runs}
@@ -542,10 +547,12 @@ SWEEP_ITERS = 20
 
 def _sweep_setting(r: dict) -> tuple:
   """(algo, salt, h, G) of a learning-check run: h None without SALT; TrainConfig's defaults
-  (h 3, G 8) where the run did not override them."""
-  over = r.get("overrides") or {}
-  return (r["algo"], bool(r["salt"]), over.get("salt_history", 3) if r["salt"] else None,
-          over.get("group_size", 8))
+  where the run did not override them."""
+  from salt_jax.config import TrainConfig  # pylint: disable=import-outside-toplevel  (no jax)
+  over, default = r.get("overrides") or {}, TrainConfig()
+  return (r["algo"], bool(r["salt"]),
+          over.get("salt_history", default.salt_history) if r["salt"] else None,
+          over.get("group_size", default.group_size))
 
 
 def sweep_runs(runs: list[dict], iters: int = SWEEP_ITERS) -> dict[tuple, dict[int, dict]]:
@@ -555,7 +562,7 @@ def sweep_runs(runs: list[dict], iters: int = SWEEP_ITERS) -> dict[tuple, dict[i
   out: dict = {}
   measured_g = set()
   for r in runs:
-    if not (r["iters"] == iters or str(iters) in r["mid"] or iters in r["mid"]):
+    if not _measured_after(r, iters):
       continue
     key = _sweep_setting(r)
     measured_g.add(r.get("eval_group_size") or key[3])
@@ -677,6 +684,107 @@ def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITE
   return [_save(fig, docs, f"{TOY_SWEEPS[param].replace('-', '_')}.png")]
 
 
+# SALT minus its base in every environment at once: the four methods' runs compared after
+# COMPARE_ITERS iterations (every environment measured there; the toy's 30-iteration runs too).
+COMPARE_ITERS = 20
+PAPER_GAIN = {b: PAPER_ALFWORLD[b + "+SALT"] - PAPER_ALFWORLD[b] for b in ("GRPO", "RLOO")}
+ALL_ENVS = "all"
+
+
+def _across_row(base: str, env: str, pairs: list[tuple]) -> dict:
+  """One row of `across_envs_rows` from [(env, seed, SALT's `_upto`, its base's)]."""
+  tot = {k: sum(a[k] for _, _, a, _ in pairs) for k in (
+      "num_steps", "merged_steps", "gradient_changing_merges")}
+  merged = tot["merged_steps"]
+  return {"base": base, "env": env, "pairs": [(e, s) for e, s, _, _ in pairs],
+          "success": [a["success"] - b["success"] for _, _, a, b in pairs],
+          "late": [a["late"] - b["late"] for _, _, a, b in pairs],
+          "merged": merged / tot["num_steps"] if tot["num_steps"] else math.nan,
+          "gradient_changing": tot["gradient_changing_merges"] / merged if merged else math.nan}
+
+
+def across_envs_rows(by_env: dict[str, list[dict]], iters: int = COMPARE_ITERS) -> list[dict]:
+  """SALT minus its base, paired by (environment, seed), after `iters` iterations: per base
+  estimator one row per environment (in `by_env`'s order) and one over every environment's pairs
+  (env ALL_ENVS). Each row: "success" / "late" (the differences of the measurement after `iters`
+  and of the training rollouts' mean over iterations `iters` - LATE_ITERS + 1 to `iters`),
+  "pairs" [(env, seed)], SALT's "merged" share of steps and "gradient_changing" share of merged
+  steps over those iterations. A run not measured after `iters` is an error, as are two runs of
+  one (algo, salt, seed) in an environment; a seed without both runs is left out."""
+  per_base: dict = {}
+  for env, runs in by_env.items():
+    by: dict = {}
+    for r in runs:
+      key = (r["algo"], bool(r["salt"]), r["seed"])
+      if key in by:
+        raise ValueError(f"{env}: two runs of {key}")
+      if not _measured_after(r, iters):
+        raise ValueError(f"{env}: run {key} was not measured after {iters} iterations")
+      by[key] = _upto(r, iters)
+    for (algo, salt, seed), a in sorted(by.items()):
+      b = by.get((algo, False, seed))
+      if salt and b is not None:
+        per_base.setdefault(algo.upper(), {}).setdefault(env, []).append((env, seed, a, b))
+  rows = []
+  for base in sorted(per_base):
+    envs = per_base[base]
+    rows += [_across_row(base, env, envs[env]) for env in by_env if env in envs]
+    rows.append(_across_row(base, ALL_ENVS, [p for env in by_env for p in envs.get(env, [])]))
+  return rows
+
+
+def across_envs_table(by_env: dict[str, list[dict]], iters: int = COMPARE_ITERS) -> str:
+  """`across_envs_rows` as markdown: paired differences with 95% t-intervals, wins/ties/losses."""
+  rows = across_envs_rows(by_env, iters)
+  if not rows:
+    raise ValueError("no paired runs")
+  window = f"{max(1, iters - LATE_ITERS + 1)}-{iters}"
+  lines = [f"| comparison | tasks | pairs | after {iters} iterations, points (95% CI; "
+           f"wins/ties/losses) | training rollouts of iterations {window}, points | merged "
+           f"steps %, iterations 1-{iters} | of merged: gradient changes % | the paper (ALFWorld, "
+           "Qwen2.5-1.5B) |", "|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    tasks = (f"all {len(by_env)}, pooled" if row["env"] == ALL_ENVS
+             else FOUR_METHODS[row["env"]][1] if row["env"] in FOUR_METHODS else row["env"])
+    lines.append(f"| {row['base']}+SALT - {row['base']} | {tasks} | {len(row['pairs'])} | "
+                 f"{_paired_cell(list(zip(row['pairs'], row['success'])))} | "
+                 f"{_paired_cell(list(zip(row['pairs'], row['late'])))} | "
+                 f"{_pct(row['merged'])} | {_pct(row['gradient_changing'])} | "
+                 f"{PAPER_GAIN[row['base']]:+.1f} |")
+  return "\n".join(lines)
+
+
+def across_envs_figure(by_env: dict[str, list[dict]], docs: str,
+                       iters: int = COMPARE_ITERS) -> list[str]:
+  """SALT minus its base per environment and pooled (mean and 95% t-interval, points), the two
+  measures side by side, with the paper's ALFWorld gain marked."""
+  _, plt = _pyplot()
+  rows = across_envs_rows(by_env, iters)
+  fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * len(rows) + 1.8), sharey=True)
+  labels = [f"{r['base']}+SALT - {r['base']}, "
+            + ("pooled" if r["env"] == ALL_ENVS else r["env"]) for r in rows]
+  window = f"{max(1, iters - LATE_ITERS + 1)}-{iters}"
+  for ax, key, title in ((axes[0], "success", f"measured after {iters} iterations"),
+                         (axes[1], "late", f"training rollouts, iterations {window}")):
+    for y, r in enumerate(rows):
+      d = [100 * v for v in r[key]]
+      ax.scatter(d, [y] * len(d), alpha=0.35, s=12, color="tab:blue")
+      m, lo, hi = t_interval(d)
+      color = "k" if r["env"] == ALL_ENVS else "tab:blue"
+      ax.errorbar([m], [y], xerr=None if math.isnan(lo) else [[m - lo], [hi - m]], marker="o",
+                  capsize=4, color=color)
+      ax.plot([PAPER_GAIN[r["base"]]] * 2, [y - 0.4, y + 0.4], color="tab:red", lw=2,
+              label="the paper's gain" if y == 0 else None)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set(xlabel="points", title=title)
+  axes[0].set_yticks(range(len(rows)))
+  axes[0].set_yticklabels(labels)
+  axes[0].invert_yaxis()
+  axes[0].legend(fontsize=8, loc="lower right")
+  fig.suptitle("SALT minus its base, paired by seed (dots), mean and 95% t-interval")
+  return [_save(fig, docs, "salt_minus_base.png")]
+
+
 def four_methods_runs(out: str, env: str) -> list[dict]:
   """The four methods' learning-check runs of `env` under `out` (FOUR_METHODS' folder); []."""
   from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
@@ -764,6 +872,13 @@ def report(out: str) -> str:
            f"uses{held}).", "", four_methods_tables(runs), ""]
     md += [f"![{env} four methods]({os.path.relpath(f, docs)})"
            for f in four_methods_figure(runs, docs, figure)] + [""]
+  by_env = {env: measured for env in FOUR_METHODS if (measured := [
+      r for r in four_methods_runs(out, env) if _measured_after(r, COMPARE_ITERS)])}
+  if by_env:
+    md += [f"## SALT minus its base in every environment ({COMPARE_ITERS} iterations; the four "
+           "methods' runs above)", "", across_envs_table(by_env, COMPARE_ITERS), ""]
+    md += [f"![SALT minus its base]({os.path.relpath(f, docs)})"
+           for f in across_envs_figure(by_env, docs, COMPARE_ITERS)] + [""]
   toy = toy_runs(out)
   for param in ("h", "G"):
     if param in toy:

@@ -443,3 +443,55 @@ def test_report_adds_the_sweeps_with_the_four_methods_runs_of_their_seeds(tmp_pa
   md = study_report.report(str(out))
   assert "## h on the toy tasks" in md and "toy_history.png" in md
   assert "| GRPO+SALT, h=5 | 1 | 55.0 (" in md  # one seed: a Wilson interval over its games
+
+
+def test_across_envs_rows_pool_every_environments_pairs(tmp_path):
+  """SALT minus its base per environment and pooled over (environment, seed) pairs, against a
+  plain numpy reference; runs not measured at the compared iteration are refused."""
+  toy = _four_methods()
+  tw = [dict(r, curve=[0.3, 0.5, 0.6, 0.9] if r["salt"] else [0.2, 0.4, 0.6, 0.8])
+        for r in _four_methods(seeds=(0, 1))]
+  rows = study_report.across_envs_rows({"toy": toy, "textworld": tw}, iters=4)
+  assert [(r["base"], r["env"], len(r["pairs"])) for r in rows] == [
+      ("GRPO", "toy", 3), ("GRPO", "textworld", 2), ("GRPO", "all", 5),
+      ("RLOO", "toy", 3), ("RLOO", "textworld", 2), ("RLOO", "all", 5)]
+  after = {"toy": [0.05, -0.07, 0.05], "textworld": [0.05, -0.07]}
+  late = {"toy": [0.0] * 3, "textworld": [np.mean([0.1, 0.1, 0.0, 0.1])] * 2}
+  for r in rows:
+    want = after["toy"] + after["textworld"] if r["env"] == "all" else after[r["env"]]
+    want_late = late["toy"] + late["textworld"] if r["env"] == "all" else late[r["env"]]
+    assert r["success"] == pytest.approx(want) and r["late"] == pytest.approx(want_late)
+    assert r["merged"] == pytest.approx(0.2) and r["gradient_changing"] == pytest.approx(0.5)
+  assert rows[2]["pairs"] == [("toy", 0), ("toy", 1), ("toy", 2), ("textworld", 0),
+                              ("textworld", 1)]
+  # After 2 of 4 iterations: the mid measurement and the first 2 training rollouts.
+  mid = study_report.across_envs_rows({"toy": toy}, iters=2)
+  assert mid[0]["success"] == pytest.approx([-0.05, -0.06, -0.07])
+  text = study_report.across_envs_table({"toy": toy, "textworld": tw}, iters=4)
+  m, lo, hi = study_report.t_interval([5.0, -7.0, 5.0, 5.0, -7.0])
+  assert (f"| GRPO+SALT - GRPO | all 2, pooled | 5 | {m:+.1f} ({lo:+.1f} to {hi:+.1f}); 3/0/2 |"
+          in text)
+  assert "| RLOO+SALT - RLOO | TextWorld | 2 |" in text and text.count("| +4.8 |") == 3
+  (path,) = study_report.across_envs_figure({"toy": toy, "textworld": tw}, str(tmp_path), 4)
+  assert os.path.basename(path) == "salt_minus_base.png" and os.path.getsize(path) > 0
+  with pytest.raises(ValueError, match="not measured after 3"):
+    study_report.across_envs_rows({"toy": toy}, iters=3)
+  with pytest.raises(ValueError, match="toy: two runs"):
+    study_report.across_envs_rows({"toy": toy + toy[:1]}, iters=4)
+  with pytest.raises(ValueError, match="no paired runs"):  # bases alone: nothing to pair
+    study_report.across_envs_table({"toy": [r for r in toy if not r["salt"]]}, iters=4)
+
+
+def test_report_compares_every_environment_after_the_common_iteration(tmp_path, monkeypatch):
+  monkeypatch.setattr(study_report, "COMPARE_ITERS", 2)  # the fakes' mid measurement
+  out = tmp_path / "docs" / "study"
+  for env in ("toy", "alfworld"):
+    (out / study_report.FOUR_METHODS[env][0]).mkdir(parents=True)
+    with open(out / study_report.FOUR_METHODS[env][0] / "runs.jsonl", "w",
+              encoding="utf-8") as f:
+      f.write("\n".join(json.dumps(r) for r in _four_methods()) + "\n")
+  md = study_report.report(str(out))
+  assert "## SALT minus its base in every environment (2 iterations" in md
+  assert "| GRPO+SALT - GRPO | all 2, pooled | 6 |" in md and "salt_minus_base.png" in md
+  monkeypatch.setattr(study_report, "COMPARE_ITERS", 3)  # measured by no run: no section
+  assert "in every environment" not in study_report.report(str(out))
