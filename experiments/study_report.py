@@ -538,10 +538,12 @@ def four_methods_figure(runs: list[dict], docs: str,
   return [_save(fig, docs, name)]
 
 
-# The h and G ablations on the toy tasks: learning-check runs that differ from the four methods'
+# The h and G ablations: learning-check runs that differ from an environment's four methods' runs
 # only in SALT's h or in G, compared after SWEEP_ITERS iterations (the four methods' runs measured
-# there too supply h=3 and G=8).
-TOY_SWEEPS = {"h": "toy-history", "G": "toy-group-size"}
+# there too supply h=3 and G=8). {env: {param: folder of the sweep's *.jsonl under the study's out}}.
+SWEEPS = {"toy": {"h": "toy-history", "G": "toy-group-size"},
+          "textworld": {"h": "textworld-history"}}
+SWEEP_PARAMS = ("h", "G")
 SWEEP_ITERS = 20
 
 
@@ -590,8 +592,8 @@ def sweep_rows(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> list[d
   "seeds", "success": t-interval, "paired" / "paired_late": (SALT minus GRPO at the same G and
   seed, success after `iters` / training rollouts' last LATE_ITERS) t-interval and per-seed list,
   "merged", "gradient_changing", "response_differing" shares}."""
-  if param not in TOY_SWEEPS:
-    raise ValueError(f"param must be one of {sorted(TOY_SWEEPS)}, got {param!r}")
+  if param not in SWEEP_PARAMS:
+    raise ValueError(f"param must be one of {SWEEP_PARAMS}, got {param!r}")
   by = {k: v for k, v in sweep_runs(runs, iters).items() if k[0] == "grpo"
         and (k[3] == 8 if param == "h" else k[2] in (None, 3))}
   rows = []
@@ -636,9 +638,10 @@ def sweep_table(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> str:
   return "\n".join(lines)
 
 
-def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITERS) -> list[str]:
+def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITERS,
+                 env: str = "toy") -> list[str]:
   """Success after `iters` against h or G (GRPO and GRPO+SALT, 95% t-intervals), SALT minus GRPO
-  per seed, and SALT's merged and gradient-changing shares."""
+  per seed, and SALT's merged and gradient-changing shares; saved as `env`'s sweep folder name."""
   _, plt = _pyplot()
   rows = sweep_rows(runs, param, iters)
   fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -681,7 +684,7 @@ def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITE
   a2.set(xlabel=name, ylabel="share", xticks=sorted(set(xs)), ylim=(0, 1),
          title=f"SALT's merges, first {iters} iterations")
   a2.legend(fontsize=8)
-  return [_save(fig, docs, f"{TOY_SWEEPS[param].replace('-', '_')}.png")]
+  return [_save(fig, docs, f"{SWEEPS[env][param].replace('-', '_')}.png")]
 
 
 # SALT minus its base in every environment at once: the four methods' runs compared after
@@ -792,16 +795,16 @@ def four_methods_runs(out: str, env: str) -> list[dict]:
   return read_jsonl(path) if os.path.exists(path) else []
 
 
-def toy_runs(out: str) -> dict[str, list[dict]]:
-  """The toy tasks' learning-check runs under `out`: {"four-methods": its runs.jsonl, "h" / "G":
-  the four methods' runs and the sweep's own files (`out`/toy-history/*.jsonl, ...)}; only those
-  present."""
+def sweep_sets(out: str, env: str) -> dict[str, list[dict]]:
+  """`env`'s learning-check runs under `out`: {"four-methods": its runs.jsonl, "h" / "G": the
+  sweep's own files (SWEEPS' folder, e.g. `out`/toy-history/*.jsonl) with the four methods' runs
+  of the same seeds}; only those present."""
   from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
   found = {}
-  base = four_methods_runs(out, "toy")
+  base = four_methods_runs(out, env)
   if base:
     found["four-methods"] = base
-  for param, folder in TOY_SWEEPS.items():
+  for param, folder in SWEEPS.get(env, {}).items():
     files = sorted(glob.glob(os.path.join(out, folder, "*.jsonl")))
     if files:
       own = [r for f in files for r in read_jsonl(f)]
@@ -879,13 +882,15 @@ def report(out: str) -> str:
            "methods' runs above)", "", across_envs_table(by_env, COMPARE_ITERS), ""]
     md += [f"![SALT minus its base]({os.path.relpath(f, docs)})"
            for f in across_envs_figure(by_env, docs, COMPARE_ITERS)] + [""]
-  toy = toy_runs(out)
-  for param in ("h", "G"):
-    if param in toy:
-      md += [f"## {param} on the toy tasks ({TOY_SWEEPS[param]} with {TOY_FOUR_METHODS}'s runs "
-             "of the same seeds)", "", sweep_table(toy[param], param, SWEEP_ITERS), ""]
-      md += [f"![toy {param}]({os.path.relpath(f, docs)})"
-             for f in sweep_figure(toy[param], param, docs, SWEEP_ITERS)] + [""]
+  for env, folders in SWEEPS.items():
+    found = sweep_sets(out, env)
+    for param in SWEEP_PARAMS:
+      if param in found:
+        md += [f"## {param} on {FOUR_METHODS[env][1]} ({folders[param]} with "
+               f"{FOUR_METHODS[env][0]}'s runs of the same seeds)", "",
+               sweep_table(found[param], param, SWEEP_ITERS), ""]
+        md += [f"![{env} {param}]({os.path.relpath(f, docs)})"
+               for f in sweep_figure(found[param], param, docs, SWEEP_ITERS, env)] + [""]
   text = "\n".join(md)
   with open(os.path.join(docs, "results.md"), "w", encoding="utf-8") as f:
     f.write(text)

@@ -435,7 +435,7 @@ def test_report_adds_the_sweeps_with_the_four_methods_runs_of_their_seeds(tmp_pa
   for name, seed in (("runs-a.jsonl", 0), ("runs-b.jsonl", 1)):  # one file per worker
     with open(out / "toy-history" / name, "w", encoding="utf-8") as f:
       f.write(json.dumps(_sweep_run(True, seed, 0.55, h=5)) + "\n")
-  found = study_report.toy_runs(str(out))
+  found = study_report.sweep_sets(str(out), "toy")
   assert len(found["four-methods"]) == 6 and "G" not in found
   assert sorted((r["seed"], study_report._sweep_setting(r)[2] or 0) for r in found["h"]) == [
       (0, 0), (0, 3), (0, 5), (1, 0), (1, 3), (1, 5)]  # seed 2 has no h run
@@ -443,6 +443,19 @@ def test_report_adds_the_sweeps_with_the_four_methods_runs_of_their_seeds(tmp_pa
   md = study_report.report(str(out))
   assert "## h on the toy tasks" in md and "toy_history.png" in md
   assert "| GRPO+SALT, h=5 | 1 | 55.0 (" in md  # one seed: a Wilson interval over its games
+  assert "on TextWorld" not in md  # no TextWorld runs: no TextWorld sweep
+  # Another environment's sweep: its own heading and figure, beside the toy's.
+  tw = out / study_report.FOUR_METHODS["textworld"][0]
+  tw.mkdir()
+  (tw / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in four) + "\n")
+  (out / "textworld-history").mkdir()
+  (out / "textworld-history" / "runs-a.jsonl").write_text(
+      json.dumps(_sweep_run(True, 2, 0.8, h=1)) + "\n")
+  assert [r["seed"] for r in study_report.sweep_sets(str(out), "textworld")["h"]] == [2, 2, 2]
+  md = study_report.report(str(out))
+  assert "## h on the toy tasks" in md and "## h on TextWorld (textworld-history" in md
+  assert "| GRPO+SALT, h=1 | 1 | 80.0 (" in md and "textworld_history.png" in md
+  assert (out.parent / "textworld_history.png").exists()
 
 
 def test_across_envs_rows_pool_every_environments_pairs(tmp_path):
