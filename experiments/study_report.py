@@ -415,6 +415,19 @@ def _early_curve(r: dict) -> float:
   return statistics.fmean(r["curve"][:LATE_ITERS])
 
 
+def _salt_base_pairs(runs: list[dict]) -> list[tuple[str, int, dict, dict]]:
+  """[(algo, seed, SALT's run, its base's run)] in (algo, seed) order: runs paired by (algo,
+  seed); a seed without both runs is left out, two runs of one (algo, salt, seed) are an error."""
+  by: dict = {}
+  for r in runs:
+    key = (r["algo"], bool(r["salt"]), r["seed"])
+    if key in by:
+      raise ValueError(f"two runs of {key}")
+    by[key] = r
+  return [(algo, seed, r, by[algo, False, seed]) for (algo, salt, seed), r in sorted(by.items())
+          if salt and (algo, False, seed) in by]
+
+
 def paired_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tuple[int, float]]]:
   """{base method: [(seed, SALT's success minus its base's)]} after `it` iterations (the fixed
   measurement of the training tasks, or of the held-out ones with on="heldout"), or with
@@ -423,17 +436,9 @@ def paired_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tu
   (algo, salt, seed) are an error."""
   curves = {"late": _late_curve, "early": _early_curve}
   value = curves[it] if it in curves else (lambda r: _measured(r, it, on))
-  by: dict = {}
-  for r in runs:
-    key = (r["algo"], bool(r["salt"]), r["seed"])
-    if key in by:
-      raise ValueError(f"two runs of {key}")
-    by[key] = r
   out: dict = {}
-  for (algo, salt, seed), r in sorted(by.items()):
-    base = by.get((algo, False, seed))
-    if salt and base is not None:
-      out.setdefault(algo.upper(), []).append((seed, value(r) - value(base)))
+  for algo, seed, r, base in _salt_base_pairs(runs):
+    out.setdefault(algo.upper(), []).append((seed, value(r) - value(base)))
   return out
 
 
@@ -579,12 +584,28 @@ def sweep_runs(runs: list[dict], iters: int = SWEEP_ITERS) -> dict[tuple, dict[i
   return out
 
 
+def _late_window(iters: int) -> str:
+  """The iterations `_upto`'s "late" covers, as "first-last"."""
+  return f"{max(1, iters - LATE_ITERS + 1)}-{iters}"
+
+
 def _upto(r: dict, iters: int) -> dict:
   """What a run shows after `iters` iterations: measured success, the training rollouts' mean
   success over its last LATE_ITERS iterations, and SALT's merge totals over those `iters`."""
   merges = {k: sum(v[:iters]) for k, v in r["merges"].items()}
   return {"success": _measured(r, iters),
           "late": statistics.fmean(r["curve"][max(0, iters - LATE_ITERS):iters]), **merges}
+
+
+def _merge_shares(ats: list[dict]) -> dict[str, float]:
+  """SALT's merges over `_upto` summaries: "merged" (of steps), "gradient_changing" and
+  "response_differing" (of merged steps); NaN where there is nothing to divide by."""
+  tot = {k: sum(a[k] for a in ats) for k in (
+      "num_steps", "merged_steps", "gradient_changing_merges", "response_differing_merges")}
+  merged = tot["merged_steps"]
+  return {"merged": merged / tot["num_steps"] if tot["num_steps"] else math.nan,
+          "gradient_changing": tot["gradient_changing_merges"] / merged if merged else math.nan,
+          "response_differing": tot["response_differing_merges"] / merged if merged else math.nan}
 
 
 def sweep_rows(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> list[dict]:
@@ -602,9 +623,7 @@ def sweep_rows(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> list[d
     at = {seed: _upto(r, iters) for seed, r in sorted(seeds.items())}
     base = by.get((algo, False, None, g), {})
     pairs = [(seed, at[seed], _upto(base[seed], iters)) for seed in at if salt and seed in base]
-    tot = {k: sum(a[k] for a in at.values()) for k in (
-        "num_steps", "merged_steps", "gradient_changing_merges", "response_differing_merges")}
-    merged = tot["merged_steps"]
+    shares = _merge_shares(list(at.values()))
     rows.append({
         "label": (f"GRPO+SALT, h={h}" if salt else "GRPO") + ("" if param == "h" else f", G={g}"),
         "value": h if param == "h" else g, "salt": salt, "seeds": sorted(at),
@@ -612,9 +631,7 @@ def sweep_rows(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> list[d
                             _measurement(next(iter(seeds.values())), iters).get("trajectories", 0)),
         "paired": [(seed, a["success"] - b["success"]) for seed, a, b in pairs],
         "paired_late": [(seed, a["late"] - b["late"]) for seed, a, b in pairs],
-        "merged": merged / tot["num_steps"] if salt and tot["num_steps"] else math.nan,
-        "gradient_changing": tot["gradient_changing_merges"] / merged if merged else math.nan,
-        "response_differing": tot["response_differing_merges"] / merged if merged else math.nan})
+        **shares, "merged": shares["merged"] if salt else math.nan})  # merges are SALT's
   return rows
 
 
@@ -626,7 +643,7 @@ def sweep_table(runs: list[dict], param: str, iters: int = SWEEP_ITERS) -> str:
     raise ValueError(f"no runs measured after {iters} iterations")
   lines = [f"| setting | seeds | success after {iters} % (95% CI) | SALT - GRPO after {iters}, "
            "points (95% CI; wins/ties/losses) | SALT - GRPO, training rollouts of iterations "
-           f"{max(1, iters - LATE_ITERS + 1)}-{iters} | merged steps % | of merged: gradient "
+           f"{_late_window(iters)} | merged steps % | of merged: gradient "
            "changes % | of merged: responses differ % |", "|---|---|---|---|---|---|---|---|"]
   for row in rows:
     m, lo, hi = row["success"]
@@ -665,7 +682,7 @@ def sweep_figure(runs: list[dict], param: str, docs: str, iters: int = SWEEP_ITE
   for key, color, label, shift in (
       ("paired", "k", f"measured after {iters}", step),
       ("paired_late", "tab:orange", f"training rollouts, iterations "
-       f"{max(1, iters - LATE_ITERS + 1)}-{iters}", 2 * step)):
+       f"{_late_window(iters)}", 2 * step)):
     for i, (x, r) in enumerate(zip(xs, salt)):
       d = [100 * v for _, v in r[key]]
       a1.scatter([x + shift - step] * len(d), d, alpha=0.4, color=color, s=12)
@@ -696,14 +713,10 @@ ALL_ENVS = "all"
 
 def _across_row(base: str, env: str, pairs: list[tuple]) -> dict:
   """One row of `across_envs_rows` from [(env, seed, SALT's `_upto`, its base's)]."""
-  tot = {k: sum(a[k] for _, _, a, _ in pairs) for k in (
-      "num_steps", "merged_steps", "gradient_changing_merges")}
-  merged = tot["merged_steps"]
   return {"base": base, "env": env, "pairs": [(e, s) for e, s, _, _ in pairs],
           "success": [a["success"] - b["success"] for _, _, a, b in pairs],
           "late": [a["late"] - b["late"] for _, _, a, b in pairs],
-          "merged": merged / tot["num_steps"] if tot["num_steps"] else math.nan,
-          "gradient_changing": tot["gradient_changing_merges"] / merged if merged else math.nan}
+          **_merge_shares([a for _, _, a, _ in pairs])}
 
 
 def across_envs_rows(by_env: dict[str, list[dict]], iters: int = COMPARE_ITERS) -> list[dict]:
@@ -716,18 +729,17 @@ def across_envs_rows(by_env: dict[str, list[dict]], iters: int = COMPARE_ITERS) 
   one (algo, salt, seed) in an environment; a seed without both runs is left out."""
   per_base: dict = {}
   for env, runs in by_env.items():
-    by: dict = {}
     for r in runs:
-      key = (r["algo"], bool(r["salt"]), r["seed"])
-      if key in by:
-        raise ValueError(f"{env}: two runs of {key}")
       if not _measured_after(r, iters):
-        raise ValueError(f"{env}: run {key} was not measured after {iters} iterations")
-      by[key] = _upto(r, iters)
-    for (algo, salt, seed), a in sorted(by.items()):
-      b = by.get((algo, False, seed))
-      if salt and b is not None:
-        per_base.setdefault(algo.upper(), {}).setdefault(env, []).append((env, seed, a, b))
+        raise ValueError(f"{env}: run {(r['algo'], bool(r['salt']), r['seed'])} was not "
+                         f"measured after {iters} iterations")
+    try:
+      pairs = _salt_base_pairs(runs)
+    except ValueError as e:
+      raise ValueError(f"{env}: {e}") from e
+    for algo, seed, r, base in pairs:
+      per_base.setdefault(algo.upper(), {}).setdefault(env, []).append(
+          (env, seed, _upto(r, iters), _upto(base, iters)))
   rows = []
   for base in sorted(per_base):
     envs = per_base[base]
@@ -741,7 +753,7 @@ def across_envs_table(by_env: dict[str, list[dict]], iters: int = COMPARE_ITERS)
   rows = across_envs_rows(by_env, iters)
   if not rows:
     raise ValueError("no paired runs")
-  window = f"{max(1, iters - LATE_ITERS + 1)}-{iters}"
+  window = _late_window(iters)
   lines = [f"| comparison | tasks | pairs | after {iters} iterations, points (95% CI; "
            f"wins/ties/losses) | training rollouts of iterations {window}, points | merged "
            f"steps %, iterations 1-{iters} | of merged: gradient changes % | the paper (ALFWorld, "
@@ -766,7 +778,7 @@ def across_envs_figure(by_env: dict[str, list[dict]], docs: str,
   fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * len(rows) + 1.8), sharey=True)
   labels = [f"{r['base']}+SALT - {r['base']}, "
             + ("pooled" if r["env"] == ALL_ENVS else r["env"]) for r in rows]
-  window = f"{max(1, iters - LATE_ITERS + 1)}-{iters}"
+  window = _late_window(iters)
   for ax, key, title in ((axes[0], "success", f"measured after {iters} iterations"),
                          (axes[1], "late", f"training rollouts, iterations {window}")):
     for y, r in enumerate(rows):
