@@ -39,6 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import learning_check  # pylint: disable=wrong-import-position
 
+# Trains or samples a policy: .ci/run runs it again under another XLA instruction set.
+pytestmark = pytest.mark.samples
+
 SLOW_RISE = 0.20
 FAST_RISE = 0.08
 FAST = learning_check.Check(iters=6)

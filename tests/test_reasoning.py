@@ -17,6 +17,9 @@ from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import Sampler
 from salt_jax.sharding import make_mesh
 
+# Trains or samples a policy: .ci/run runs it again under another XLA instruction set.
+pytestmark = pytest.mark.samples
+
 PROMPTS = PromptConfig(history_window=0)
 TAGS = ("<think>", "</think>", "<action>", "</action>")
 
@@ -100,7 +103,10 @@ def test_bad_reasoning_name():
 
 def test_cloned_reasoning_policy_writes_valid_actions(tok):
   """A tiny policy cloned on reasoning demos of two 2-room walk tasks (short prompts, so it learns
-  in a minute on a CPU) writes varied thinks and valid actions when sampled at temperature 1."""
+  in a minute on a CPU) writes varied thinks and valid actions when sampled at temperature 1.
+  300 cloning steps: at 120 the valid share ranged from 0.23 to 0.54 across init seeds and CPUs
+  (under-trained, so the threshold hung on rounding); at 250-300 it was 0.94-1.0 for every seed
+  tried, far from the 0.6 asserted."""
   env_kw = dict(num_rooms=2, max_steps=4, task_types=("walk",))
   tasks = toy_tasks(2, task_types=("walk",))
   prompts = PromptConfig(history_window=0, instruction="", format_instruction="")
@@ -109,7 +115,7 @@ def test_cloned_reasoning_policy_writes_valid_actions(tok):
   model = build_policy(cfg, tok, make_mesh("1x1"))
   batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64, layout="step",
                                prompt_config=prompts, reasoning="templated")
-  losses = sft.behaviour_clone(model, batch, sft.SFTConfig(steps=120, rows=8, lr=1e-2))
+  losses = sft.behaviour_clone(model, batch, sft.SFTConfig(steps=300, rows=8, lr=1e-2))
   assert np.mean(losses[-10:]) < 0.2 * np.mean(losses[:10])
   sampler = Sampler(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
                     max_cache_len=512, prompt_buckets=(64, 128))

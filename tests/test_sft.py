@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "experiments"))
 import sft_warmstart  # noqa: E402  pylint: disable=wrong-import-position
 
+# Trains or samples a policy: .ci/run runs it again under another XLA instruction set.
+pytestmark = pytest.mark.samples
+
 ENV_KW = dict(num_rooms=3, max_steps=4)
 # Windowed single-turn prompts (one row per step): short rows, so a 2-layer, d_model-64 policy
 # learns the format within a few dozen steps on a CPU.

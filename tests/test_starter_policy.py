@@ -25,6 +25,9 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import alfworld_grpo_salt  # pylint: disable=wrong-import-position
 
+# Trains or samples a policy: .ci/run runs it again under another XLA instruction set.
+pytestmark = pytest.mark.samples
+
 
 def test_starter_folder_and_its_play_settings():
   play = starter_defaults()

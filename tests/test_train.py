@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from envs import registry
 from envs.toy import ToyEnv, toy_tasks
 import salt_jax
 from salt_jax import batching
@@ -40,12 +41,23 @@ from salt_jax.train import Trainer, _stats, sampled_success
 from tests import references as ref
 from tests.tensorboard_reader import read_tensorboard
 
+# Trains or samples a policy: .ci/run runs it again under another XLA instruction set.
+pytestmark = pytest.mark.samples
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENV_KW = {"num_rooms": 3}
+# Every training task is won in 2 to 4 steps (max_steps 4), none in 1, so every trajectory has at
+# least two step rows; with statistics over step rows and discounted step returns (gamma < 1) the
+# rows of a won trajectory score differently, so a group with any win has non-zero advantages even
+# when the sampler draws G identical trajectories. The updates the tests check therefore do not
+# hang on which tokens one CPU's rounding samples. Task order (seed 3): one walk and one key-door
+# task in each of the first three iterations (both success_rate/<type> keys are logged).
+TASK_IDS = ("toy-train-0", "toy-train-5", "toy-train-6", "toy-train-7")
 BASE = TrainConfig(env="toy", env_kwargs=ENV_KW, tokenizer="toy", group_size=4, tasks_per_iter=2,
-                   num_train_tasks=6, max_steps=4, max_new_tokens=24, max_cache_len=512,
+                   train_task_ids=TASK_IDS, max_steps=4, max_new_tokens=24, max_cache_len=512,
                    prompt_bucket_min=128, env_workers=0, lr=3e-4, kl_coef=0.05,
+                   group_stats="steps", gamma=0.9,
                    minibatch_rows=4, min_seq_len=64, iters=3, seed=3, temperature=1.0,
                    progress=False)
 
@@ -74,15 +86,19 @@ def _untimed(row):
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-  """Params of the tiny policy after 120 cloning steps: 85% valid actions and 75% of the first
-  iteration's games won, so every iteration's groups have a signal (with 40 steps, 3% valid:
-  groups of all-invalid trajectories, whose advantages are exactly 0, took no update)."""
+  """Params of the tiny policy cloned (150 steps) from a noisy expert on the training tasks (an
+  admissible action drawn at random in place of the expert's at a quarter of the steps, episodes
+  kept won or lost), so the policy it leaves is stochastic: a group's G trajectories differ in
+  their actions, outcomes and invalid steps, and SALT's merges join steps of different futures.
+  (Cloned from the clean expert to a near-zero loss, the policy drew G identical trajectories in
+  most groups, and whether an iteration had anything to merge hung on the CPU's rounding.)"""
   tok = build_tokenizer(BASE)
   model = build_policy(BASE, tok, make_mesh(BASE.mesh))
   env = ToyEnv(max_steps=BASE.max_steps, **ENV_KW)
-  demos = demos_lib.collect_demos(env, toy_tasks(6), seeds=range(3), max_steps=BASE.max_steps)
+  demos = demos_lib.collect_demos(env, registry.training_tasks(BASE), seeds=range(12),
+                                  max_steps=BASE.max_steps, only_won=False, epsilon=0.25)
   batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64)
-  sft.behaviour_clone(model, batch, sft.SFTConfig(steps=120, rows=8, lr=1e-2))
+  sft.behaviour_clone(model, batch, sft.SFTConfig(steps=150, rows=8, lr=1e-2))
   path = str(tmp_path_factory.mktemp("warm") / "params")
   save_params(path, nnx.state(model))
   return path
@@ -90,20 +106,24 @@ def warm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_a(warm, tmp_path_factory):
-  cfg = dataclasses.replace(BASE, out=str(tmp_path_factory.mktemp("a")), init_params=warm)
+  """Run A: (config, trainer, rows, seen), `seen[k]` = iteration k's (rollout, mini-batches,
+  (advantages before, after SALT)); checkpoints 1 to 3 (the state before iterations 1 and 2, and
+  after the last) stay in its folder."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path_factory.mktemp("a")), init_params=warm,
+                            max_to_keep=3)
   with Trainer(cfg) as tr:
     tr.setup()
-    rows, first = [], None
+    rows, seen = [], []
     for _ in range(cfg.iters):
       rows.append(tr.iteration())
-      if first is None:
-        first = (tr.last.rollout, [dict(mb) for mb in tr.last.minibatches], tr.last.advantages)
+      seen.append((tr.last.rollout, [dict(mb) for mb in tr.last.minibatches or []],
+                   tr.last.advantages))
     tr.checkpoints.wait()  # the tests copy its folder: checkpoint 3 complete, not in flight
-    yield cfg, tr, rows, first
+    yield cfg, tr, rows, seen
 
 
 def test_metrics_written_with_all_keys(run_a):
-  cfg, _, rows, first = run_a
+  cfg, _, rows, seen = run_a
   logged = metrics_lib.read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
   assert [r["iteration"] for r in logged] == [0, 1, 2]
   for r in logged:
@@ -122,14 +142,23 @@ def test_metrics_written_with_all_keys(run_a):
                      if isinstance(v, (int, float)) and not isinstance(v, bool)
                      and k != "iteration" and math.isfinite(v)}
   assert set(hists) == {(i, t) for i in range(3) for t in ("adv_before", "adv_after")}
-  assert hists[(0, "adv_after")].num == len(first[2][1])
+  assert hists[(0, "adv_after")].num == len(seen[0][2][1])
 
 
 def test_salt_changes_the_advantages_and_nothing_else(run_a, warm, tmp_path):
-  cfg, _, rows, (roll_a, mbs_a, (before_a, after_a)) = run_a
-  off = dataclasses.replace(cfg, salt=False, out=str(tmp_path / "c"), iters=1)
+  """The first iteration of run A where SALT changed an advantage, again with SALT off from the
+  same state (the initial one, or A's checkpoint before it): the same rollout, tokens, old and
+  reference log-probs and advantages before SALT; only what follows from the advantages differs."""
+  cfg, tr_a, rows, seen = run_a
+  it = next((i for i, r in enumerate(rows) if r["adv_frac_changed"] > 0), None)
+  assert it is not None, [{n: r[n] for n in ("success_rate", "valid_action_ratio", "merge_rate",
+                                            "skipped_groups", "adv_before/abs_mean")} for r in rows]
+  roll_a, mbs_a, (before_a, after_a) = seen[it]
+  off = dataclasses.replace(cfg, salt=False, out=str(tmp_path / "c"), iters=it + 1)
   with Trainer(off) as tr:
     tr.setup()
+    if it:  # pylint: disable=protected-access
+      tr._load(*tr_a.checkpoints.read(it, tr._state_tree()))
     row_c = tr.iteration()
     roll_c, mbs_c, (before_c, after_c) = tr.last.rollout, tr.last.minibatches, tr.last.advantages
   # the same rollout, token for token
@@ -146,13 +175,10 @@ def test_salt_changes_the_advantages_and_nothing_else(run_a, warm, tmp_path):
   # the same advantages before SALT; SALT off leaves them, SALT on changes some
   np.testing.assert_array_equal(before_a, before_c)
   np.testing.assert_array_equal(after_c, before_c)
-  assert rows[0]["adv_frac_changed"] > 0 and row_c["adv_frac_changed"] == 0, {
-      k: rows[0][k] for k in ("success_rate", "valid_action_ratio", "skipped_groups",
-                              "adv_before/abs_mean", "merge_rate", "reward/mean")}
-  assert np.any(after_a != before_a)
+  assert row_c["adv_frac_changed"] == 0 and np.any(after_a != before_a)
   # group sums are kept per merged edge, so the mean advantage is unchanged
   np.testing.assert_allclose(after_a.mean(), before_a.mean(), atol=1e-6)
-  ra, rc = _untimed(rows[0]), _untimed(row_c)
+  ra, rc = _untimed(rows[it]), _untimed(row_c)
   same = {k for k in ra if k not in FOLLOWS_FROM_ADVANTAGES}
   assert {k: ra[k] for k in same} == {k: rc.get(k) for k in same}
 
@@ -348,8 +374,12 @@ def _rerun_first_iteration(tr, **changes):
   return row, jax.tree.map(np.asarray, tr.params), jax.tree.map(np.asarray, tr.opt_state)
 
 
-def _step_advantages(batch, traj_adv):
-  return np.asarray(traj_adv)[batch.step_traj_ids]
+def _step_rows(batch, cfg):
+  """(each step row's reward, its group id) as `cfg` scores them, for the numpy references: BASE
+  takes its statistics over all step rows of a group."""
+  assert cfg.group_stats == "steps"
+  return (batch.row_rewards(cfg.reward_scale, cfg.penalty_scope, cfg.gamma).tolist(),
+          batch.step_group_ids.tolist())
 
 
 def test_layouts_give_the_same_update_and_drgrpo_its_advantages(warm, tmp_path):
@@ -378,8 +408,7 @@ def test_layouts_give_the_same_update_and_drgrpo_its_advantages(warm, tmp_path):
     assert np.mean(np.isclose(a, b, rtol=0, atol=cfg.lr * 1e-2)) > 0.99
   # Dr.GRPO: reward minus the group mean, no division by the standard deviation.
   batch = rollouts["step"].trainable()
-  want = _step_advantages(batch, ref.grpo(batch.outcome_rewards.tolist(),
-                                          batch.traj_group_ids.tolist(), normalize_std=False))
+  want = np.asarray(ref.grpo(*_step_rows(batch, cfg), normalize_std=False))
   assert np.any(want != 0)
   for r in (traj, step):
     for k, v in _stats(want, "adv_before").items():
@@ -477,8 +506,7 @@ def test_rloo_with_the_embedder(warm, tmp_path):
     tr.setup()
     (row,) = tr.run()
     batch, (before, after) = tr.last.rollout.trainable(), tr.last.advantages
-  want = _step_advantages(batch, ref.rloo(batch.outcome_rewards.tolist(),
-                                          batch.traj_group_ids.tolist()))
+  want = np.asarray(ref.rloo(*_step_rows(batch, cfg)))
   np.testing.assert_allclose(before, want, atol=1e-6)
   assert np.any(want != 0) and np.any(after != before)
   trajs, groups = batch.trajectories_for_salt()
@@ -508,9 +536,14 @@ def test_minibatches_are_cut_to_their_own_longest_row(run_a):
 
 
 def test_nan_guard_skips_the_update(run_a):
+  """A mini-batch of its own (the last rollout's first, with reference log-probs whether or not
+  that iteration updated) whose old log-probs are NaN: skipped, counted, nothing changed."""
   _, tr, _, _ = run_a
   mb = {k: np.array(v) for k, v in tr.last.minibatches[0].items()}
+  (ref_lp,) = tr._logprobs_all(tr.ref_params, [mb])  # pylint: disable=protected-access
+  mb["ref_logprobs"] = np.where(mb["loss_mask"], ref_lp, 0.0).astype(np.float32)
   mb["old_logprobs"] = np.where(mb["loss_mask"], np.nan, 0.0).astype(np.float32)
+  assert mb["loss_mask"].any()
   before = jax.tree.map(np.asarray, tr.params)
   opt_before = jax.tree.map(np.asarray, tr.opt_state)
   total = tr.skipped_updates_total
@@ -718,7 +751,7 @@ def test_resume_falls_back_from_a_damaged_checkpoint(run_a, tmp_path, damage, re
     if damage is _flip_a_byte:
       (row,) = tr.run()
       assert _untimed(row) == _untimed(rows[2])
-      assert _steps(out) == ([2, 3], [])  # a new checkpoint 3 where the damaged one was
+      assert _steps(out) == _steps(cfg.out)  # a new checkpoint 3 where the damaged one was
   _collect_orbax_leftovers()
 
 
@@ -726,13 +759,13 @@ def test_resume_falls_back_from_a_damaged_checkpoint(run_a, tmp_path, damage, re
 def test_resume_with_no_intact_checkpoint_stops(run_a, tmp_path):
   cfg, _, _, _ = run_a
   out = _copy_run(cfg.out, tmp_path / "d")
-  for step in (2, 3):
+  for step in _steps(out)[0]:  # every one run A kept (1 to 3)
     os.remove(_largest_data_file(os.path.join(out, "checkpoints", str(step))))
   with Trainer(dataclasses.replace(cfg, out=out, resume=True)) as tr:
     with pytest.raises(ValueError, match="no intact checkpoint.*checkpoint 3: unreadable.*"
                                          "checkpoint 2: unreadable"):
       tr.setup()
-  assert _steps(out) == ([2, 3], [])  # left as they were
+  assert _steps(out) == _steps(cfg.out)  # left as they were
   assert not os.path.exists(os.path.join(out, "damaged_checkpoints"))
   _collect_orbax_leftovers()
 
