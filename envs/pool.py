@@ -20,8 +20,8 @@ Nothing blocks longer than the timeouts, and (with replay) a failed slot never t
 
 Workers start with 'spawn' (or 'forkserver'): forking a parent that has initialized jax is unsafe.
 Spawned workers re-import the main module, so a script that makes a pool with workers needs the
-usual `if __name__ == "__main__":` guard. Each answer is one pipe message (about 0.1 to 0.3 ms on
-this 2-core machine), negligible next to ALFWorld's 40 to 60 ms steps.
+usual `if __name__ == "__main__":` guard. Each answer is one pipe message, negligible next to an
+ALFWorld step, so workers cost nothing noticeable where the environment is the slow part.
 `num_workers=0` runs every instance in the calling process (tests, debugging): exceptions are
 still caught per slot, but a crash or hang there takes the caller with it.
 """

@@ -59,7 +59,8 @@ def refine(step_advantages, merge_ids, num_segments, mask=None):
   adv = jnp.where(valid, adv, 0.0)  # where, not a product: a masked NaN must not leak in
   seg = jnp.where(valid, ids, num_segments)  # masked steps land in a dropped extra segment
   # One scatter of an [N, 2] payload (advantage, 1) and one gather, with indices promised in
-  # bounds (seg is in [0, num_segments] by construction): measured the fastest form on CPU.
+  # bounds (seg is in [0, num_segments] by construction), so XLA emits no bounds checks and sums
+  # and counts share one pass: the fastest form benchmarks/bench_salt.py found on CPU.
   payload = jnp.stack([adv, valid.astype(jnp.float32)], axis=-1)
   explicit = _explicit_mesh_axes(adv)
   sums = jax.ops.segment_sum(payload, seg, num_segments + 1, mode="promise_in_bounds",
