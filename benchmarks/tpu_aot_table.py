@@ -10,9 +10,9 @@ embedding, the head and the log-probs' chunk). The carry is what the program nee
 compiler's own rematerialization, which XLA:TPU applies only where a program would not fit: on
 Qwen2.5-1.5B (v4-8, 4x2, 4-row micro-batches) 1, 2 and 3 layers carry to 14.3 GiB of
 temporaries where the 28-layer compile rematerializes down to 11.8 GiB and fits. The carry is an
-estimate, not a bound: against full-depth compiles it has been from 10% under to 20% over
-(docs/performance.md); only a full-depth compile settles whether a run fits, and a row compiled
-at full depth shows the carry beside it. Only programs with a
+estimate, not a bound: against full-depth compiles it has been from 30% under (AppWorld's 32B
+update) to 20% over (docs/performance.md); only a full-depth compile settles whether a run fits,
+and a row compiled at full depth shows the carry beside it. Only programs with a
 backward pass (the update, the LoRA stand-in) are carried: a forward pass (log-probs, the
 sampler's prefill and decode) keeps no activations, its temporaries are one layer's working set
 and do not grow with depth, so those rows come from full-depth compiles alone. A file written with
