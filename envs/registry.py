@@ -8,6 +8,8 @@
   make_env("tests.fakes:CrashingEnv")        -> any TextEnv class by "module:Class"
   task_list("alfworld", "valid_unseen")      -> the tasks of a split
   entry("alfworld").train_split              -> its default splits (train, eval)
+  env_arguments("webshop")                   -> the keyword arguments its environment takes
+  check_env_config(config)                   -> ValueError for unknown env_kwargs, splits, task ids
 
 Modules are imported on first use: a worker that plays the toy env never imports alfworld. Task
 lists accept the env's own keyword arguments too (e.g. `data_dir`, `quest_length`) and ignore the
@@ -32,6 +34,7 @@ class EnvEntry:
   tasks: str                # "module:task_function"
   train_split: str
   eval_splits: tuple[str, ...]
+  params: str = ""          # "module:Dataclass" whose fields the env's **params take (if any)
 
 
 # The one registry of environments: the trainer, the worker pool and the scripts all read it.
@@ -39,7 +42,8 @@ _REGISTRY = {
     "alfworld": EnvEntry("envs.alfworld:AlfWorldEnv", "envs.alfworld:alfworld_tasks",
                          "valid_train", ("valid_seen", "valid_unseen")),
     "textworld": EnvEntry("envs.textworld_games:TextWorldEnv",
-                          "envs.textworld_games:textworld_tasks", "train", ("heldout",)),
+                          "envs.textworld_games:textworld_tasks", "train", ("heldout",),
+                          params="envs.textworld_games:GameParams"),
     "toy": EnvEntry("envs.toy:ToyEnv", "envs.toy:toy_tasks", "train", ("eval",)),
     "webshop": EnvEntry("envs.webshop:WebShopEnv", "envs.webshop:webshop_tasks", "train",
                         ("test",)),
@@ -117,3 +121,67 @@ def task_list(name: str, split: str, **kwargs: Any) -> list[Task]:
   else:
     kept = {k: v for k, v in kwargs.items() if k in params}
   return fn(split=split, **kept)
+
+
+def env_arguments(name: str) -> tuple[str, ...]:
+  """The keyword arguments family `name`'s environment takes, sorted: its constructor's named
+  ones, and the fields of the entry's `params` class when the constructor takes **params."""
+  e = entry(name)
+  params = inspect.signature(_load(e.env).__init__).parameters
+  names = {k for k, p in params.items() if k != "self" and p.kind in (
+      inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+  if e.params and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    names |= {f.name for f in dataclasses.fields(_load(e.params))}
+  return tuple(sorted(names))
+
+
+# What a task function or an environment constructor raises for a bad argument: a missing data
+# folder (OSError), a wrong type (TypeError), a missing optional package (ImportError).
+_BAD_ARGUMENT = (ValueError, TypeError, OSError, ImportError, KeyError)
+
+
+def check_env_config(env_config) -> None:
+  """Raises ValueError naming the first bad field of an `EnvConfig` (or a `TrainConfig`), before
+  any work: an `env_kwargs` name the environment does not take (the known ones listed) or a value
+  its constructor or task function refuses (e.g. a WebShop `data_dir` without the data files), a
+  `train_split` or `eval_splits` the environment lacks, or `train_task_ids` not in the train
+  split. Lists the splits' tasks (ALFWorld reads each task's json, no game; WebShop loads its
+  catalog, as the run would next) and builds one environment instance (no game loaded).
+  """
+  name, kwargs = env_config.env, env_config.env_kwargs
+  if not isinstance(kwargs, dict):
+    raise ValueError(f"env_kwargs must be a dict (a JSON object), got {kwargs!r}")
+  known = env_arguments(name)
+  unknown = sorted(set(kwargs) - set(known))
+  if unknown:
+    raise ValueError(f"unknown env_kwargs {unknown} for the {name} environment; known: "
+                     f"{', '.join(known)}")
+  default = entry(name).train_split
+  try:  # the environment's own arguments, on its default split
+    make_env(name, **{"max_steps": env_config.max_steps, **kwargs}).close()
+    task_list(name, default, **kwargs)
+  except _BAD_ARGUMENT as e:
+    raise ValueError(f"env_kwargs {kwargs} of {name}: {e}") from None
+  split = env_config.train_split or default
+  eval_splits = env_config.eval_splits or ()
+  if not isinstance(eval_splits, (tuple, list)) or not all(isinstance(x, str) for x in eval_splits):
+    raise ValueError(f"eval_splits must be None or split names, got {eval_splits!r}")
+  for field, splits in (("train_split", (split,)), ("eval_splits", eval_splits)):
+    for s in splits:
+      try:
+        tasks = task_list(name, s, **kwargs)
+      except _BAD_ARGUMENT as e:
+        raise ValueError(f"{field} {s!r} of {name}: {e}") from None
+      if not tasks:
+        raise ValueError(f"{field} {s!r} of {name} has no tasks")
+  need = env_config.num_train_tasks
+  if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
+    raise ValueError(f"num_train_tasks must be None or an int >= 1, got {need!r}")
+  if env_config.train_task_ids is not None:
+    tasks = task_list(name, split, **kwargs)  # as `training_tasks` lists them for named ids
+    have = {t.task_id for t in tasks}
+    missing = [i for i in env_config.train_task_ids if i not in have]
+    if missing:
+      raise ValueError(f"train_task_ids: {len(missing)} of {len(env_config.train_task_ids)} "
+                       f"are not tasks of {name}'s {split!r} split, e.g. {missing[0]!r} (its "
+                       f"{len(tasks)} ids are like {tasks[0].task_id!r})")

@@ -58,8 +58,10 @@ class GameParams:
   brief_goal: bool = False
 
   def __post_init__(self):
-    if self.world_size < 1 or self.nb_objects < 1 or self.quest_length < 1 or self.quest_breadth < 1:
-      raise ValueError(f"GameParams must all be >= 1: {self}")
+    sizes = (self.world_size, self.nb_objects, self.quest_length, self.quest_breadth)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+      raise ValueError(f"GameParams' world_size, nb_objects, quest_length and quest_breadth must "
+                       f"be ints >= 1: {self}")
 
   def digest(self) -> str:
     """A short stable hash naming the family (folder name, task-id prefix)."""

@@ -621,6 +621,12 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
   args = ap.parse_args(argv)
   if not args.expert:
     ap.error("only --expert play is implemented")
+  if args.num_tasks < 1:
+    ap.error(f"--num-tasks must be >= 1, got {args.num_tasks}")
+  try:
+    resolve_data_dir(args.data_dir)
+  except FileNotFoundError as e:
+    ap.error(f"--data-dir: {e}")
   env = WebShopEnv(data_dir=args.data_dir, human_goals=args.human_goals, reward="score")
   tasks = webshop_tasks(args.split, args.data_dir, args.human_goals, args.num_tasks)
   wins, scores, start = 0, [], time.perf_counter()

@@ -70,7 +70,7 @@ from envs.demos import collect_demos
 from envs.registry import entry, make_expert_env, task_list, training_tasks
 from salt_jax import sft
 from salt_jax.agent.prompts import env_prompt_config
-from salt_jax.config import TrainConfig, parse_overrides
+from salt_jax.config import TrainConfig, check_output_folder, parse_overrides
 from salt_jax.metrics import read_jsonl, write_jsonl
 from salt_jax.models.build import build_policy, build_tokenizer, policy_config, save_params
 from salt_jax.sharding import make_mesh
@@ -142,6 +142,28 @@ class Check:
   reasoning: Optional[str] = None
   warm_seed: Optional[int] = None
   heldout_tasks: int = 0
+
+  def validate(self, seeds=(0,)) -> None:
+    """Raises ValueError naming the first bad setting, before any work: the config's
+    (`TrainConfig.validate`, with each of `seeds`), the check's own, and its held-out tasks."""
+    for seed in seeds:
+      dataclasses.replace(self.config, seed=seed).validate()
+    if not 0 <= self.epsilon <= 1:
+      raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
+    for name, least in (("sft_steps", 1), ("eval_rounds", 1), ("iters", 0)):
+      if getattr(self, name) < least:
+        raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+    if not self.demo_seeds:
+      raise ValueError("demo_seeds must name at least one demonstration")
+    if self.eval_group_size is not None and self.eval_group_size < 1:
+      raise ValueError(f"eval_group_size must be None or >= 1, got {self.eval_group_size}")
+    late = [i for i in self.eval_at if not 0 <= i < self.iters]
+    if late:
+      raise ValueError(f"eval_at {late}: measurements are taken after 0 to iters - 1 "
+                       f"({self.iters - 1}) iterations")
+    if self.warm_seed is not None and self.warm_seed < 0:
+      raise ValueError(f"warm_seed must be >= 0, got {self.warm_seed}")
+    heldout_task_list(self)  # the eval split has that many tasks
 
 
 # The slow test's check: a clone of the epsilon-0.7 expert cloned for 600 steps instead of 150.
@@ -375,6 +397,16 @@ def main(argv=None):
                 sft_steps=args.sft_steps, eval_rounds=args.eval_rounds, iters=args.iters,
                 eval_group_size=args.eval_group_size, heldout_tasks=args.heldout_tasks,
                 eval_at=tuple(args.eval_at), warm_seed=args.warm_seed, reasoning=reasoning)
+  try:
+    check.validate(args.seeds)
+    if args.warm_dir:
+      check_output_folder(args.warm_dir, "--warm-dir")
+    if args.out:
+      if os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a folder; it names the runs' JSON-lines file")
+      check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out's folder")
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
   salts = {"off": [False], "on": [True], "both": [False, True]}[args.salt]
   done = set()
   if args.out and os.path.exists(args.out):

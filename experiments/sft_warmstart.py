@@ -35,9 +35,18 @@ def main(argv=None) -> int:
                  help="draw demos of similar lengths together (less padding, faster steps)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  # pylint: disable=import-outside-toplevel  (after the device count is set)
+  if args.steps < 1 or args.demos < 1 or not args.lr > 0:
+    p.error(f"--steps and --demos must be >= 1 and --lr > 0, got {args.steps}, {args.demos}, "
+            f"{args.lr}")
+  # pylint: disable=import-outside-toplevel  (the device count is set before jax starts)
+  from salt_jax.sharding import parse_mesh_shape
+  try:
+    parse_mesh_shape(args.mesh)
+  except ValueError as e:
+    p.error(f"--{e}")
   use_cpu_devices(args.mesh)
   from salt_jax.config import TrainConfig
+  from salt_jax.runlock import RunInUse
   from salt_jax.sft import warm_start
   cfg = TrainConfig(env=args.env, mesh=args.mesh, model=args.model,
                     tokenizer=args.tokenizer or ("toy" if args.env == "toy" else "qwen25"),
@@ -48,8 +57,11 @@ def main(argv=None) -> int:
     cfg.validate()
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
-  warm_start(cfg, steps=args.steps, num_demos=args.demos, lr=args.lr,
-             group_by_length=args.group_by_length, reasoning=args.reasoning)
+  try:
+    warm_start(cfg, steps=args.steps, num_demos=args.demos, lr=args.lr,
+               group_by_length=args.group_by_length, reasoning=args.reasoning)
+  except RunInUse as e:  # another process trains in --out
+    raise SystemExit(f"error: {e}") from None
   return 0
 
 

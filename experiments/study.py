@@ -189,10 +189,23 @@ def _launch(args_json: str, core: int | None) -> subprocess.Popen:
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def check_runs(env: dict, runs: list[Run], root: str, iters: int, out_root: str) -> None:
+  """SystemExit with one `error:` line for a bad --out or a run config that would fail
+  (`TrainConfig.validate`: e.g. a negative --seeds), before the warm start."""
+  from salt_jax.config import check_output_folder  # pylint: disable=import-outside-toplevel
+  try:
+    check_output_folder(out_root, "--out")
+    for r in runs:
+      _config(env, r, os.path.join(root, "runs", r.name), iters, None).validate()
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
 def run_experiment(name: str, seeds: list[int], iters: int, jobs: int, out_root: str) -> str:
   """Runs every missing run of `name` (`jobs` at a time); writes and returns its summary.json."""
   env, runs = experiment_runs(name, seeds)
   root = os.path.join(out_root, name)
+  check_runs(env, runs, root, iters, out_root)
   os.makedirs(root, exist_ok=True)
   t0 = time.perf_counter()
   sft = warm_start_and_eval(env, out_root)
@@ -203,6 +216,9 @@ def run_experiment(name: str, seeds: list[int], iters: int, jobs: int, out_root:
     if _complete(out, iters):
       continue
     if os.path.isdir(out):  # an interrupted run: start it again from scratch
+      from salt_jax import runlock  # pylint: disable=import-outside-toplevel
+      if (who := runlock.holder(out)) is not None:  # not interrupted: another command trains it
+        raise SystemExit(f"error: {runlock.in_use(out, who)}")
       shutil.rmtree(out)
     same = _reuse(_config(env, r, out, iters, sft), out_root, iters)
     if same is not None:

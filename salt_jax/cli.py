@@ -172,6 +172,9 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
   for name, default in SCRIPT_DEFAULTS.items():
     given.setdefault(name, defaults.get(name, default))
   given.setdefault("sft_warmstart", False)
+  for name in ("sft_steps", "sft_demos"):
+    if given[name] < 1:
+      raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {given[name]}")
   if values["distributed"] and given["sft_warmstart"]:
     raise SystemExit("error: --sft-warmstart runs in one process: run experiments/"
                      "sft_warmstart.py first and pass its params with --init-params")
@@ -214,6 +217,7 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
   use_cpu_devices(cfg.mesh, cfg.num_processes)
   # pylint: disable=import-outside-toplevel  (after the device count is set)
   from salt_jax import log
+  from salt_jax import runlock
   from salt_jax import sft
   from salt_jax.train import Trainer
   log.configure(getattr(args, "log_level", None))
@@ -231,10 +235,11 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
     cfg = dataclasses.replace(cfg, init_params=sft_path)
   trainer = trainer_or_exit(cfg)
   if args.sft_warmstart and not resumed_warm:
-    path = sft.warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos,
-                          reasoning=args.sft_reasoning)
-    trainer.close()
-    trainer = trainer_or_exit(dataclasses.replace(cfg, init_params=path))
+    with runlock.RunLock(cfg.out):  # the folder stays locked from one trainer to the next
+      path = sft.warm_start(cfg, steps=args.sft_steps, num_demos=args.sft_demos,
+                            reasoning=args.sft_reasoning)
+      trainer.close()
+      trainer = trainer_or_exit(dataclasses.replace(cfg, init_params=path))
   with trainer:
     trainer.setup()
     print(f"[salt-jax] {cfg.env}: {len(trainer.task_sampler.tasks)} training tasks, mesh "

@@ -45,7 +45,8 @@ class EnvConfig:
   """The environment and its tasks."""
 
   env: str = _field("alfworld", "environment: alfworld, textworld, toy or webshop")
-  env_kwargs: dict = _field({}, "the environment's keyword arguments (JSON)")
+  env_kwargs: dict = _field({}, "the environment's keyword arguments (JSON; its constructor's, "
+                           "envs.registry.env_arguments)")
   train_split: Optional[str] = _field(None, "training split (default: the env's own)")
   eval_splits: Optional[tuple] = _field(None, "evaluation splits, comma-separated (default: the "
                                         "env's own)")
@@ -191,6 +192,22 @@ class RunConfig:
   process_id: Optional[int] = _field(None, "this process's index")
 
 
+def check_output_folder(out: str, name: str = "out") -> None:
+  """Raises ValueError, naming `name` (the field or flag), unless `out` can be an output folder:
+  an existing folder, or a path not yet there whose nearest existing parent is a folder
+  (`os.makedirs` refuses a path through a file)."""
+  if not isinstance(out, str) or not out:
+    raise ValueError(f"{name} must be a folder path, got {out!r}")
+  path = os.path.abspath(os.path.expanduser(out))
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  if os.path.isdir(path):
+    return
+  if path == os.path.abspath(os.path.expanduser(out)):
+    raise ValueError(f"{name} {out!r} is a file, not a folder; pick a folder")
+  raise ValueError(f"{name} {out!r} cannot be made: {path} is a file, not a folder")
+
+
 # Fields renamed since runs were saved, old name -> new: `from_json`, `--resume` and the command
 # line read the old names too.
 RENAMED_FIELDS = {"history": "salt_history", "history_window": "prompt_history"}
@@ -270,8 +287,15 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
          f"max_cache_len ({self.max_cache_len}) must exceed max_new_tokens "
          f"({self.max_new_tokens}) + 16 to leave room for a prompt")
     need(math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
+    need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+         f"weight_decay must be >= 0, got {self.weight_decay}")
+    need(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
     need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
     need(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
+    need(self.clip_eps_high is None or self.clip_eps_high > 0,
+         f"clip_eps_high must be None or > 0, got {self.clip_eps_high}")
+    need(self.dual_clip is None or self.dual_clip > 1,
+         f"dual_clip must be None or > 1 (verl uses 3.0), got {self.dual_clip}")
     need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
     need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
     need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")

@@ -16,6 +16,9 @@ read), checks them against the fingerprints saved with them, and writes:
 Then `transformers.AutoModelForCausalLM.from_pretrained(folder)` and
 `AutoTokenizer.from_pretrained(folder)` work in either version (tests/test_export.py checks the
 logits of both against ours).
+
+`--out` must be a new or empty folder, refused before any work otherwise: its config.json would
+replace a training run's own (a run may be read while it trains: the newest complete checkpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from flax import nnx
 
 from salt_jax import checkpoint
 from salt_jax import log
+from salt_jax import runlock
 from salt_jax.agent.prompts import stop_token_ids
 from salt_jax.config import TrainConfig
 
@@ -44,8 +48,29 @@ def run_config(run: str):
   """The `TrainConfig` a run was trained with (its config.json; unknown fields are dropped)."""
   path = os.path.join(run, "config.json")
   if not os.path.exists(path):
-    raise ValueError(f"{run} is not a training run: it has no config.json")
+    raise ValueError(f"--run {run} is not a training run: it has no config.json")
   return TrainConfig.load(path, ignore_unknown=True)
+
+
+def check_out(out: str) -> None:
+  """Raises ValueError unless `out` is a new or empty folder: the export writes config.json and
+  tokenizer files, which would replace those of a training run (or of anything else) there."""
+  if not os.path.exists(out):
+    return
+  if not os.path.isdir(out):
+    raise ValueError(f"--out {out} is a file, not a folder")
+  names = sorted(os.listdir(out))
+  if not names:
+    return
+  held_by = runlock.holder(out) if runlock.LOCK_FILE in names else None
+  if held_by is not None:
+    raise runlock.in_use(out, held_by)
+  if runlock.LOCK_FILE in names or "config.json" in names and (
+      "checkpoints" in names or "metrics.jsonl" in names):
+    raise ValueError(f"--out {out} is a training run's folder: the export would write its "
+                     "config.json over the run's; pick a new or empty folder")
+  shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+  raise ValueError(f"--out {out} is not empty (it holds {shown}); pick a new or empty folder")
 
 
 def checkpoint_step(run: str, step: Optional[int] = None) -> int:
@@ -121,7 +146,8 @@ def export_run(run: str, out: str, *, step: Optional[int] = None,
 
   Args:
     run: the run's folder (--out of the training).
-    out: the folder to write (created; files of the same names are replaced).
+    out: the folder to write: new (it is created) or empty; anything else is refused before any
+      work (`check_out`).
     step: the checkpoint (iteration) to export; None: the newest complete one.
     dtype: 'float32', 'bfloat16' or 'float16'; None: the run's parameter dtype.
 
@@ -133,6 +159,7 @@ def export_run(run: str, out: str, *, step: Optional[int] = None,
   from salt_jax.models.tokenizer import save_tokenizer
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+  check_out(out)
   logger.info("export: reading checkpoint %s of %s", "(newest)" if step is None else step, run)
   model, tokenizer, cfg, step = load_policy(run, step)
   logger.info("export: writing %s (%s)", out, dtype or cfg.param_dtype)

@@ -34,6 +34,7 @@ from salt_jax.agent import reasoning as reasoning_lib
 from salt_jax.agent.prompts import PromptConfig, Prompter, env_prompt_config
 from salt_jax.config import TrainConfig
 from salt_jax.models.build import build_policy, build_tokenizer, load_params, save_params
+from salt_jax import runlock
 from salt_jax.sharding import make_mesh
 from salt_jax.logprobs import token_logprobs
 
@@ -244,8 +245,20 @@ def warm_start(cfg: TrainConfig, *, steps: int = 200, num_demos: int = 32, lr: f
     group_by_length: draw demos of similar lengths together (`SFTConfig.group_by_length`).
     reasoning: the demonstrations' `<think>` text: None / "none" (empty) or "templated" (the
       stand-in reasoning of `salt_jax.agent.reasoning`); raise `cfg.max_new_tokens` to fit it.
+
+  Raises:
+    runlock.RunInUse: another process trains in `cfg.out` (before any work; the folder stays
+      locked until the params are saved).
   """
   reasoning_lib.reasoner(reasoning)  # an unknown name fails before any work
+  with runlock.RunLock(cfg.out):
+    return _clone_and_save(cfg, steps=steps, num_demos=num_demos, lr=lr, rows=rows,
+                           group_by_length=group_by_length, reasoning=reasoning)
+
+
+def _clone_and_save(cfg: TrainConfig, *, steps: int, num_demos: int, lr: float, rows: int,
+                    group_by_length: bool, reasoning: Optional[str]) -> str:
+  """`warm_start`'s work, in the locked run folder."""
   t0 = time.perf_counter()
   mesh = make_mesh(cfg.mesh)
   tok = build_tokenizer(cfg)

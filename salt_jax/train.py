@@ -52,6 +52,7 @@ from salt_jax import metrics as metrics_lib
 from salt_jax import log as log_lib
 from salt_jax.log import progress_bar
 from salt_jax import multihost
+from salt_jax import runlock
 from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
@@ -222,7 +223,8 @@ class Trainer:
 
   Usage: `Trainer(config).run()`, or `setup()` then `iteration()` repeatedly. Checkpoints are
   written in the background (`config.async_checkpoint`): the last one is complete when `run()`
-  or `close()` returns, or after `checkpoints.wait()`.
+  or `close()` returns, or after `checkpoints.wait()`. From construction to `close()` the run
+  holds its folder (`salt_jax.runlock`): a trainer of another process on it is refused at once.
   """
 
   def __init__(self, config: TrainConfig):
@@ -242,7 +244,16 @@ class Trainer:
         raise ValueError(f"{name} ({getattr(config, name)}) must be a multiple of the mesh's "
                          f"data axis ({self.data_size}): each micro-batch is split over it")
     self.checkpoints = checkpoint.RunCheckpoints(config, self.mesh)
-    self.checkpoints.check_start()  # a new run over old checkpoints, or a changed resume: refused
+    # One process per run folder, from here to `close()`: another one training there is named
+    # and refused before anything is built or written (after the config checks above, so that a
+    # refused config leaves no folder behind).
+    self.run_lock = self._lock_folder()
+    try:
+      self.checkpoints.check_start()  # a new run over old checkpoints, or a changed resume: refused
+    except BaseException:
+      if self.run_lock is not None:
+        self.run_lock.release()
+      raise
     self._pool = None
     self._logger = None
     self._opened = False
@@ -255,6 +266,25 @@ class Trainer:
     self._show_progress = config.progress and self.process_index == 0
     self._local_rollout = None
     self.times = _PhaseTimes()
+
+  def _lock_folder(self) -> Optional[runlock.RunLock]:
+    """Process 0's lock on `config.out` (None on the others); with several processes all of them
+    learn whether process 0 got it, so all stop together when it did not."""
+    lock, refused = None, None
+    if self.process_index == 0:
+      try:
+        lock = runlock.RunLock(self.config.out).acquire()
+      except (runlock.RunInUse, OSError) as e:
+        if self.num_processes == 1:
+          raise
+        refused = e
+    if self.num_processes > 1:
+      said = multihost.allgather_objects(None if refused is None else str(refused))[0]
+      if refused is not None:
+        raise refused
+      if said is not None:
+        raise runlock.RunInUse(f"process 0 could not lock the run folder: {said}")
+    return lock
 
   # ---------------------------------------------------------------- setup
 

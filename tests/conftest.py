@@ -49,3 +49,16 @@ def tf4():
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
   return run
+
+
+@pytest.fixture
+def salt_jax_logger_restored():
+  """The salt_jax logger's handlers, level and propagation as they were before the test: the
+  command lines (cli.main, export.main) point it at the test's captured stderr."""
+  import logging  # pylint: disable=import-outside-toplevel
+  logger = logging.getLogger("salt_jax")
+  saved = (list(logger.handlers), logger.level, logger.propagate)
+  yield
+  logger.handlers[:] = saved[0]
+  logger.setLevel(saved[1])
+  logger.propagate = saved[2]

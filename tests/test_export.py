@@ -178,15 +178,7 @@ def test_export_loads_in_transformers_4(run, exported, tmp_path, tf4):
   assert got["generation_eos"] == tok.eos_token_id
 
 
-@pytest.fixture(autouse=True)
-def _restore_logger():
-  """main() points the salt_jax logger at this test's captured stderr: undone afterwards."""
-  logger = logging.getLogger("salt_jax")
-  saved = (list(logger.handlers), logger.level, logger.propagate)
-  yield
-  logger.handlers[:] = saved[0]
-  logger.setLevel(saved[1])
-  logger.propagate = saved[2]
+pytestmark = pytest.mark.usefixtures("salt_jax_logger_restored")  # main() re-points it
 
 
 def test_export_of_an_older_step_in_bfloat16(run, tmp_path, capsys):

@@ -18,15 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from salt_jax.config import TrainConfig
-from salt_jax.models.config import ModelConfig
-from salt_jax.models.gguf import is_gguf_file, load_gguf_config, load_gguf_tokenizer
+from salt_jax.models.config import (  # noqa: F401  (TINY_POLICY: this module's name for it)
+    TINY_POLICY, ModelConfig, read_model_config, tiny_policy_config)
+from salt_jax.models.gguf import is_gguf_file, load_gguf_tokenizer
 from salt_jax.models.loading import from_pretrained
 from salt_jax.models.partitioning import shard_model
 from salt_jax.models.qwen2 import CausalLM
-
-# The default small policy: Qwen2 architecture, random init, the tokenizer's vocabulary.
-TINY_POLICY = dict(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
 
 # Expert episodes whose texts teach the toy tokenizer an environment's words (deterministic).
 _TOY_CORPUS_TASKS, _TOY_CORPUS_STEPS = 4, 8
@@ -85,20 +82,16 @@ def named_tokenizer(name: str, env: str = "toy", env_kwargs_json: str = "{}"):
 def policy_config(config: TrainConfig, tokenizer) -> tuple[ModelConfig, jnp.dtype]:
   """(ModelConfig, parameter dtype) of the run's policy, without building it."""
   if config.model is not None:
-    if is_gguf_file(config.model):
-      mcfg = ModelConfig.from_hf_dict(load_gguf_config(config.model))
-    else:
-      with open(os.path.join(config.model, "config.json"), encoding="utf-8") as f:
-        mcfg = ModelConfig.from_hf_dict(json.load(f))
-    return (dataclasses.replace(mcfg, attention_impl=config.attention_impl,
+    return (dataclasses.replace(read_model_config(config.model),
+                                attention_impl=config.attention_impl,
                                 remat_policy=config.remat_policy),
             jnp.dtype(config.param_dtype))
   vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad their embedding
-  fields = {**TINY_POLICY, **config.tiny_policy}
   eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-  return ModelConfig(vocab_size=vocab, eos_token_id=eos, max_position_embeddings=config.max_cache_len,
-                     attention_impl=config.attention_impl, remat_policy=config.remat_policy,
-                     **fields), jnp.dtype("float32")
+  return tiny_policy_config(config.tiny_policy, vocab_size=vocab, eos_token_id=eos,
+                            max_position_embeddings=config.max_cache_len,
+                            attention_impl=config.attention_impl,
+                            remat_policy=config.remat_policy), jnp.dtype("float32")
 
 
 def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:

@@ -13,6 +13,9 @@ config.json; `default_attention_impl` is the one place that picks the first from
 from __future__ import annotations
 
 import dataclasses
+import json
+import numbers
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,10 +120,14 @@ class ModelConfig:
                        f"({self.num_kv_heads}) for grouped-query attention")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-    if not self.rope_theta > 0:
-      raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
-    if not self.rms_norm_eps > 0:
-      raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+    for name in ("rope_theta", "rms_norm_eps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"ModelConfig.{name} must be a number > 0, got {value!r}")
+    for name in ("tie_word_embeddings", "attention_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ModelConfig.{name} must be true or false, got "
+                         f"{getattr(self, name)!r}")
     if self.model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, "
                        f"got {self.model_type!r}")
@@ -254,6 +261,68 @@ class ModelConfig:
                   max_position_embeddings=256)
     fields.update(overrides)
     return cls(**fields)
+
+
+# The default small policy (`TrainConfig.tiny_policy` overrides its fields): Qwen2 architecture,
+# random init; the run sets the rest (`TINY_POLICY_RUN_FIELDS`).
+TINY_POLICY = dict(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+# Fields of the tiny policy that come from the run, not from `tiny_policy`: the tokenizer's
+# vocabulary and end id, the KV cache length, and the attention and remat settings.
+TINY_POLICY_RUN_FIELDS = ("vocab_size", "eos_token_id", "max_position_embeddings",
+                          "attention_impl", "remat_policy")
+
+
+def tiny_policy_config(overrides: Mapping[str, Any], **run_fields) -> ModelConfig:
+  """The tiny policy's ModelConfig: `TINY_POLICY`, then `overrides` (`TrainConfig.tiny_policy`),
+  then `run_fields` (those of `TINY_POLICY_RUN_FIELDS` the run sets; vocab_size and
+  max_position_embeddings default to placeholders, for checking `overrides` alone).
+
+  Raises:
+    ValueError: an override that is no ModelConfig field or one the run sets (the settable ones
+      listed), or a value ModelConfig refuses (wrong type, non-positive size, heads that do not
+      group).
+  """
+  if not isinstance(overrides, Mapping):
+    raise ValueError(f"tiny_policy must be a dict (a JSON object), got {overrides!r}")
+  settable = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in TINY_POLICY_RUN_FIELDS]
+  unknown = sorted(set(overrides) - set(settable))
+  if unknown:
+    raise ValueError(f"unknown tiny_policy fields {unknown}; known: {', '.join(settable)} "
+                     f"(the run sets {', '.join(TINY_POLICY_RUN_FIELDS)})")
+  fields = {**TINY_POLICY, **overrides, "vocab_size": 64, "max_position_embeddings": 256,
+            **run_fields}
+  try:
+    return ModelConfig(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"tiny_policy {dict(overrides)}: {e}") from None
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+  """The ModelConfig of a `--model`: a local Hugging Face folder's config.json or a .gguf
+  file's metadata (reads no weights).
+
+  Raises:
+    ValueError: naming `path` and what is wrong: no such folder or file, no or unreadable
+      config.json, a missing required field, an unsupported architecture.
+  """
+  # pylint: disable=import-outside-toplevel  (gguf needs numpy; config.json parsing does not)
+  from salt_jax.models.gguf import is_gguf_file, load_gguf_config
+  path = os.fspath(path)
+  try:
+    if is_gguf_file(path):
+      return ModelConfig.from_hf_dict(load_gguf_config(path))
+    if not os.path.isdir(path):
+      raise ValueError("not a local folder or .gguf file (Hugging Face hub ids are not fetched)")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+      raise ValueError("the folder has no config.json")
+    with open(config_path, encoding="utf-8") as f:
+      d = json.load(f)
+    return ModelConfig.from_hf_dict(d)
+  except (OSError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
+    raise ValueError(f"--model {path}: {e}") from None
 
 
 def _rope_theta(d: Mapping[str, Any]) -> float:
