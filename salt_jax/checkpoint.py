@@ -48,7 +48,8 @@ from salt_jax.sharding import replicated
 RESUME_MAY_CHANGE = ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
                      "distributed", "coordinator", "num_processes", "process_id",
                      "microbatch_rows", "logprob_microbatch_rows", "remat_policy", "mesh",
-                     "attention_impl", "tracker", "async_checkpoint")
+                     "attention_impl", "tracker", "async_checkpoint", "rollout_engine",
+                     "vllm_kv_cache_gib")
 META_ITEM = "meta"  # the checkpoint's JSON item (orbax writes it to <step>/meta/metadata)
 
 

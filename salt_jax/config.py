@@ -102,6 +102,12 @@ class RolloutConfig:
   invalid_action_penalty: float = _field(0.1, "reward lost per invalid step")
   invalid_step: str = _field("admissible", "admissible (the parser or the env rejects the "
                              "action) or format (no parsable action: verl-agent's)")
+  rollout_engine: str = _field("builtin", "what samples the rollouts: builtin (salt_jax's JAX "
+                               "sampler) or vllm (vLLM's engine, fed the params after every "
+                               "update; the vllm extra; old log-probs are then recomputed by the "
+                               "trainer)")
+  vllm_kv_cache_gib: float = _field(4.0, "the vllm engine's KV cache, GiB "
+                                    "(VLLM_CPU_KVCACHE_SPACE)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,15 +232,19 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
   """Everything one run needs (the fields of all six sections); `validate()` checks it."""
 
   def validate(self) -> None:
-    """Raises ValueError naming the first bad field (called before any work)."""
+    """Raises ValueError naming the first bad field (called before any work): each value, their
+    combinations, and what they name: the --model's config.json (or .gguf) and the tiny
+    policy's shape (`salt_jax.models.config`), the output folder, and the environment's
+    arguments, splits and task ids (`envs.registry.check_env_config`)."""
     # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
     from envs import registry
     from salt_jax import multihost
     from salt_jax.advantages import ESTIMATORS
+    from salt_jax.engines import ROLLOUT_ENGINES, check_vllm_engine
     from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
     from salt_jax.metrics import TRACKERS
-    from salt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
-    from salt_jax.models.gguf import is_gguf_file
+    from salt_jax.models.config import (ATTENTION_IMPLS, REMAT_POLICIES, read_model_config,
+                                        tiny_policy_config)
     from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
     from salt_jax.sharding import parse_mesh_shape
 
@@ -266,6 +276,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("penalty_scope", PENALTY_SCOPES)
     one_of("group_stats", GROUP_STATS)
     one_of("tracker", (None, *TRACKERS))
+    one_of("rollout_engine", ROLLOUT_ENGINES)
     for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "salt_history",
                  "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
                  "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):
@@ -315,9 +326,18 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     need(not (self.layout == "trajectory" and self.prompt_history is not None),
          "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
          "use layout='step' with a prompt_history")
-    need(self.model is None or os.path.isdir(self.model) or is_gguf_file(self.model),
-         f"--model {self.model!r} is not a local folder or .gguf file (Hugging Face hub ids "
-         "are not fetched)")
+    policy_shape = tiny_policy_config(self.tiny_policy)  # its fields, without a tokenizer
+    if self.model is not None:
+      # the folder's config.json (or the .gguf's) names the shape
+      policy_shape = read_model_config(self.model)
+    if self.rollout_engine == "vllm":
+      need(math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0,
+           f"vllm_kv_cache_gib must be > 0, got {self.vllm_kv_cache_gib}")
+      need(not self.distributed, "--rollout-engine vllm runs in one process: it does not "
+           "support --distributed")
+      check_vllm_engine(policy_shape)  # installed, and a head size its CPU attention runs
+    check_output_folder(self.out)
+    registry.check_env_config(self)  # env_kwargs, splits and task ids, against the env's own
     need(self.init_params is None or os.path.isdir(self.init_params),
          f"init_params {self.init_params!r} is not a folder")
     need(self.model is not None or self.tokenizer in ("qwen25", "toy")

@@ -340,10 +340,20 @@ class Trainer:
                 len(self.task_sampler.tasks), cfg.env, cfg.env_workers)
     self._pool = EnvPool(cfg.env, {"max_steps": cfg.max_steps, **cfg.env_kwargs},
                          cfg.env_workers)
-    self.sampler = Sampler(self.sampler_model, eos_token_ids=stop_token_ids(self.tokenizer),
-                           pad_token_id=self.pad_id, max_cache_len=cfg.max_cache_len,
-                           mesh=sampler_mesh,
-                           prompt_buckets=doubling_buckets(cfg.prompt_bucket_min, cfg.max_cache_len))
+    if cfg.rollout_engine == "vllm":  # given the current params by `_sync_sampler` below
+      from salt_jax.engines.vllm_engine import VLLMEngine
+      logger.info("setup: starting the vllm rollout engine (about a minute)")
+      self.sampler = VLLMEngine.from_model(
+          self.sampler_model, self.tokenizer,
+          model_path=cfg.model if cfg.model is not None and os.path.isdir(cfg.model) else None,
+          eos_token_ids=stop_token_ids(self.tokenizer), max_model_len=cfg.max_cache_len,
+          dtype=cfg.compute_dtype or cfg.param_dtype, kv_cache_gib=cfg.vllm_kv_cache_gib,
+          seed=cfg.seed)
+    else:
+      self.sampler = Sampler(self.sampler_model, eos_token_ids=stop_token_ids(self.tokenizer),
+                             pad_token_id=self.pad_id, max_cache_len=cfg.max_cache_len,
+                             mesh=sampler_mesh, prompt_buckets=doubling_buckets(
+                                 cfg.prompt_bucket_min, cfg.max_cache_len))
     self.embedder = None
     if cfg.salt and cfg.embedder not in (None, "none"):
       from salt_jax.embedders import SentenceEmbedder
@@ -380,11 +390,15 @@ class Trainer:
     return self
 
   def _sync_sampler(self) -> None:
-    """Gives the sampler's policy the current params (all processes call it together)."""
+    """Gives the sampler's policy the current params (all processes call it together); a
+    separate rollout engine (`config.rollout_engine`) gets a copy, timed as phase 'weight_sync'."""
     nnx.update(self.model, self.params)
     if self.sampler_model is not self.model:
       nnx.update(self.sampler_model, multihost.copy_params(
           self.params, nnx.state(self.sampler_model), self.mesh))
+    if self.config.rollout_engine != "builtin":
+      with self.times("weight_sync"):
+        self.sampler.update_params(self.params)
 
   def _build_programs(self) -> None:
     """The jitted log-prob and update programs for the current config (again after a change)."""
@@ -553,10 +567,19 @@ class Trainer:
                   m["merge_rate"], f"update over {len(mbs)} mini-batch(es) x {cfg.ppo_epochs} "
                   "epoch(s)" if learn else "no update: every advantage is 0")
       if learn:
-        with times("old_logprob"):  # the sampler's, or recomputed under the current params
-          if cfg.recompute_old_logprobs:
+        # The sampler's, or recomputed under the current params: always with a separate engine,
+        # whose log-probs (other kernels, maybe another dtype) are only compared with ours.
+        engine = cfg.rollout_engine != "builtin"
+        with times("old_logprob"):
+          if cfg.recompute_old_logprobs or engine:
+            diff, count = 0.0, 0
             for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
-              mb["old_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
+              mask = mb["loss_mask"].astype(bool)
+              diff += float(np.abs(lp - mb["old_logprobs"])[mask].sum())
+              count += int(mask.sum())
+              mb["old_logprobs"] = np.where(mask, lp, 0.0).astype(np.float32)
+            if engine:  # mean |engine's - trainer's log-prob| over the trained tokens
+              m["engine_logprob_abs_diff"] = diff / count if count else float("nan")
         if cfg.kl_coef > 0:  # without a KL term the reference is not evaluated (kl logs 0)
           with times("ref_logprob"):
             for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):
@@ -568,6 +591,9 @@ class Trainer:
     m["lr"] = float(self.schedule(self.applied_updates))
     for phase in ("rollout", "salt", "advantage", "old_logprob", "ref_logprob", "update"):
       m[f"time/{phase}"] = times.get(phase, 0.0)
+    if cfg.rollout_engine != "builtin":  # the copy into the engine (inside time/update)
+      m.setdefault("engine_logprob_abs_diff", float("nan"))
+      m["time/weight_sync"] = times.get("weight_sync", 0.0)
 
     # evaluate, log, save
     self.iteration_index = it + 1
@@ -669,12 +695,22 @@ class Trainer:
     return rows
 
   def close(self) -> None:
-    if self._pool is not None:
-      self._pool.close()
-      self._pool = None
-    if self._logger is not None:
-      self._logger.close()
-    self.checkpoints.close()
+    """Closes the rollout engine (a separate one holds its own memory and threads), the env pool,
+    the log and the checkpoints (the last one complete), then gives the run folder's lock back."""
+    try:
+      engine_close = getattr(getattr(self, "sampler", None), "close", None)
+      if engine_close is not None:
+        engine_close()
+        self.sampler = None
+      if self._pool is not None:
+        self._pool.close()
+        self._pool = None
+      if self._logger is not None:
+        self._logger.close()
+      self.checkpoints.close()
+    finally:
+      if self.run_lock is not None:
+        self.run_lock.release()
 
   def __enter__(self) -> "Trainer":
     return self

@@ -2,8 +2,8 @@
 
 from salt_jax.models.config import (ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig,
                                     default_attention_impl)
-from salt_jax.models.loading import (from_pretrained, load_state_dict, param_shardings,
-                                     random_state_dict, save_pretrained)
+from salt_jax.models.loading import (from_pretrained, hf_tensors, load_state_dict,
+                                     param_shardings, random_state_dict, save_pretrained)
 from salt_jax.models.partitioning import ShardingRules, shard_model
 from salt_jax.models.qwen2 import CausalLM, KVCache
 
@@ -16,6 +16,7 @@ __all__ = [
     "ShardingRules",
     "default_attention_impl",
     "from_pretrained",
+    "hf_tensors",
     "load_state_dict",
     "param_shardings",
     "random_state_dict",

@@ -337,6 +337,27 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
                            mesh=mesh, rules=rules, compute_dtype=compute_dtype)
 
 
+def hf_tensors(params, config: ModelConfig, *, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+  """(Hugging Face name, host array in HF layout) for every parameter, one tensor at a time.
+
+  The one mapping from our parameters to HF tensors (`hf_tensor_specs`): `save_pretrained` writes
+  it, a rollout engine loads it (`salt_jax.engines`).
+
+  Args:
+    params: a `CausalLM`, its `nnx.State` (e.g. the trainer's `nnx.split` params) or that state's
+      pure dict.
+    config: the model's architecture.
+    dtype: cast each tensor to this ('float32', 'bfloat16', 'float16' or a dtype); None: as stored.
+  """
+  if isinstance(params, CausalLM):
+    params = nnx.state(params, nnx.Param)
+  pure = params if isinstance(params, dict) else nnx.to_pure_dict(params)
+  cast = None if dtype is None else _DTYPES[_dtype_name(dtype)]
+  for name, spec in hf_tensor_specs(config).items():
+    value = spec.to_hf(np.asarray(jax.device_get(_get_path(pure, spec.path))))
+    yield name, np.ascontiguousarray(value if cast is None else value.astype(cast))
+
+
 def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
                     generation: Mapping[str, Any] | None = None) -> None:
   """Writes a Hugging Face folder: config.json, model.safetensors and generation_config.json.
@@ -358,11 +379,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   config = model.config
-  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  tensors = {}
-  for name, spec in hf_tensor_specs(config).items():
-    value = np.asarray(jax.device_get(_get_path(pure, spec.path)))
-    tensors[name] = np.ascontiguousarray(spec.to_hf(value).astype(_DTYPES[dtype_name]))
+  tensors = dict(hf_tensors(model, config, dtype=dtype_name))
   with open(os.path.join(path, "config.json"), "w") as fh:
     json.dump(config.to_hf_dict(dtype=dtype_name), fh, indent=2)
   with open(os.path.join(path, "generation_config.json"), "w") as fh:

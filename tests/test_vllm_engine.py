@@ -1,0 +1,304 @@
+"""The vLLM rollout engine (`salt_jax.engines.vllm_engine`) against the built-in JAX sampler.
+
+On small random Qwen2 (tied embeddings, q/k/v biases) and Llama (untied head, no biases) policies
+with head_dim 64 (what vLLM's CPU attention runs), in float32: the engine's greedy tokens, texts
+and finish reasons (EOS, stop strings, length) equal `salt_jax.sampling.Sampler`'s, and its
+log-probs equal ours to 1e-4, before and after `update_params` loads other weights; one toy-env
+trainer iteration with rollout_engine='vllm' trains and syncs the engine. The refusals (vllm
+missing, a head size the CPU engine refuses, other settings) are checked without vllm.
+
+The engine tests need vllm (the vllm extra) and are skipped without it; each engine starts once
+per model (about a minute on a CPU):
+
+    /work/venv_vllm/bin/python -m pytest -q tests/test_vllm_engine.py
+"""
+
+import dataclasses
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from salt_jax import engines
+from salt_jax.agent.prompts import stop_token_ids
+from salt_jax.config import TrainConfig
+from salt_jax.logprobs import token_logprobs
+from salt_jax.models import ModelConfig, load_state_dict, random_state_dict
+from salt_jax.models.build import named_tokenizer
+from salt_jax.sampling import Sampler
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason='vllm is not installed (the vllm extra: pip install -e ".[vllm]")')
+
+MAX_LEN = 256
+KEY = jax.random.key(0)  # the built-in sampler's (greedy ignores it); the engine ignores it
+KV_GIB = 1
+
+
+def _tiny_config(kind: str, tok) -> ModelConfig:
+  vocab = -(-len(tok) // 64) * 64
+  eos = tok.convert_tokens_to_ids(tok.eos_token)
+  common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_layers=2,
+                head_dim=64, eos_token_id=eos, max_position_embeddings=MAX_LEN,
+                rms_norm_eps=1e-6)
+  if kind == "qwen2":
+    return ModelConfig(num_heads=2, num_kv_heads=1, tie_word_embeddings=True,
+                       attention_bias=True, model_type="qwen2", **common)
+  return ModelConfig(num_heads=4, num_kv_heads=2, tie_word_embeddings=False,
+                     attention_bias=False, model_type="llama", rope_theta=500000.0, **common)
+
+
+def _model(config: ModelConfig, seed: int = 0):
+  # std 0.05: peaked enough next-token distributions that greedy picks have no near-ties
+  return load_state_dict(config, random_state_dict(config, seed=seed, std=0.05))
+
+
+def _prompts(seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 300, size=n).tolist() for n in (5, 17, 40, 9)]
+
+
+def _sampler(model, tok, eos=None):
+  return Sampler(model, eos_token_ids=eos or stop_token_ids(tok), pad_token_id=tok.pad_token_id,
+                 max_cache_len=MAX_LEN)
+
+
+def _ours_logprobs(model, prompt, response) -> np.ndarray:
+  """log p(response | prompt) under `model`, one full forward pass."""
+  seq = np.asarray(list(prompt) + list(response), np.int32)
+  lp = token_logprobs(model, jnp.asarray(seq[None, :-1]), jnp.asarray(seq[None, 1:]))
+  return np.asarray(lp)[0, len(prompt) - 1:]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def case(request):
+  """(tokenizer, model, engine) for one architecture; the engine is started once."""
+  from salt_jax.engines.vllm_engine import VLLMEngine  # pylint: disable=import-outside-toplevel
+  tok = named_tokenizer("toy")
+  model = _model(_tiny_config(request.param, tok))
+  engine = VLLMEngine.from_model(model, tok, max_model_len=MAX_LEN, kv_cache_gib=KV_GIB)
+  yield tok, model, engine
+  engine.close()
+
+
+def _assert_same(ref, out, *, atol=1e-4):
+  for i, (a, b) in enumerate(zip(ref.tokens, out.tokens)):
+    assert a.tolist() == b.tolist(), f"prompt {i}: {a.tolist()} != {b.tolist()}"
+  assert out.finish_reasons == ref.finish_reasons
+  assert out.texts == ref.texts
+  for a, b in zip(ref.policy_logprobs, out.policy_logprobs):
+    np.testing.assert_allclose(b, a, atol=atol)
+
+
+@needs_vllm
+def test_greedy_tokens_and_logprobs_equal_the_builtin_samplers(case):
+  tok, model, engine = case
+  prompts = _prompts()
+  ref = _sampler(model, tok)(prompts, jax.random.key(0), max_new_tokens=24, greedy=True,
+                             decode_fn=tok.decode)
+  out = engine(prompts, jax.random.key(0), max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+  _assert_same(ref, out)
+  assert all(not lp.any() for lp in out.logprobs)  # greedy: a point mass, as the Sampler's
+  assert out.finish_reasons == ["length"] * len(prompts)
+  # the same prompts again, same answer; a prompt past one KV block (128 tokens on the CPU) is
+  # served from the prefix cache the second time
+  again = engine(prompts, None, max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+  _assert_same(out, again, atol=1e-5)
+  long = [prompts[2] * 4]  # 160 tokens
+  first = engine(long, None, max_new_tokens=8, greedy=True, decode_fn=tok.decode)
+  second = engine(long, None, max_new_tokens=8, greedy=True, decode_fn=tok.decode)
+  _assert_same(first, second, atol=1e-5)
+  assert second.reused_tokens == 128
+
+
+@needs_vllm
+def test_stop_strings_and_eos_end_rows_as_the_builtin_samplers_do(case):
+  tok, model, engine = case
+  prompts = _prompts(1)
+  free = _sampler(model, tok)(prompts, KEY, max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+  # a stop string: the first printable text a token of some row adds that was not there before
+  # (a random policy repeats itself), so that row stops there (others may too)
+  found = None
+  for r, toks in enumerate(free.tokens):
+    row = toks.tolist()
+    for k in range(len(row)):
+      before, text = tok.decode(row[:k]), tok.decode(row[:k + 1])
+      piece = text[len(before):].strip()  # ASCII: no half of a UTF-8 character
+      if text.startswith(before) and piece.isascii() and piece.isprintable() and piece \
+          and piece not in before:
+        found = (r, k + 1, piece)
+        break
+    if found:
+      break
+  assert found, [tok.decode(t.tolist()) for t in free.tokens]
+  r, length, stop = found
+  ref = _sampler(model, tok)(prompts, KEY, max_new_tokens=24, greedy=True,
+                             stop_strings=(stop,), decode_fn=tok.decode)
+  out = engine(prompts, None, max_new_tokens=24, greedy=True, stop_strings=(stop,),
+               decode_fn=tok.decode)
+  _assert_same(ref, out)
+  assert out.finish_reasons[r] == "stop" and len(out.tokens[r]) == length
+  # an end token: the one row 1 draws 5th, kept in the output as the Sampler keeps it
+  end = int(free.tokens[1][4])
+  ref = _sampler(model, tok, eos=[end])(prompts, KEY, max_new_tokens=24, greedy=True,
+                                        decode_fn=tok.decode)
+  saved = engine.eos_token_ids
+  engine.eos_token_ids = (end,)
+  try:
+    out = engine(prompts, None, max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+  finally:
+    engine.eos_token_ids = saved
+  _assert_same(ref, out)
+  assert out.finish_reasons[1] == "eos" and out.tokens[1][-1] == end
+
+
+@needs_vllm
+def test_sampled_tokens_logprobs_equal_a_forward_pass(case):
+  tok, model, engine = case
+  prompts = _prompts(2)
+  out = engine(prompts, None, max_new_tokens=16, temperature=1.0, decode_fn=tok.decode)
+  for p, toks, plp, lp in zip(prompts, out.tokens, out.policy_logprobs, out.logprobs):
+    np.testing.assert_allclose(plp, _ours_logprobs(model, p, toks), atol=1e-4)
+    np.testing.assert_array_equal(lp, plp)  # temperature 1, no filter: the same distribution
+  hot = engine(prompts, None, max_new_tokens=8, temperature=0.7, top_k=20, top_p=0.9)
+  assert all(np.isnan(lp).all() for lp in hot.logprobs)  # not returned: NaN, not a wrong value
+  for p, toks, plp in zip(prompts, hot.tokens, hot.policy_logprobs):
+    np.testing.assert_allclose(plp, _ours_logprobs(model, p, toks), atol=1e-4)
+
+
+@needs_vllm
+def test_update_params_loads_new_weights(case):
+  tok, model, engine = case
+  prompts = _prompts(3)
+  before = engine(prompts, None, max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+  graphdef, state = nnx.split(model)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(7), len(leaves))
+  noisy = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                       for x, k in zip(leaves, keys)])
+  other = nnx.merge(graphdef, noisy)
+  try:
+    seconds = engine.update_params(noisy)  # the trainer's form: an nnx.State
+    assert 0 < seconds < 60
+    ref = _sampler(other, tok)(prompts, KEY, max_new_tokens=24, greedy=True,
+                               decode_fn=tok.decode)
+    out = engine(prompts, None, max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+    _assert_same(ref, out)
+    assert [t.tolist() for t in out.tokens] != [t.tolist() for t in before.tokens]
+  finally:
+    engine.update_params(model)  # a CausalLM works too; the other tests' weights again
+  back = engine(prompts, None, max_new_tokens=24, greedy=True, decode_fn=tok.decode)
+  _assert_same(before, back, atol=1e-5)
+
+
+@needs_vllm
+def test_engine_refuses_prompts_that_do_not_fit(case):
+  tok, _, engine = case
+  with pytest.raises(ValueError, match="max_model_len"):
+    engine([[5] * (MAX_LEN - 4)], None, max_new_tokens=8)
+  with pytest.raises(ValueError, match="decode_fn"):
+    engine([[5, 6]], None, max_new_tokens=8, stop_strings=("x",))
+  with pytest.raises(ValueError, match="empty"):
+    engine([[]], None, max_new_tokens=8, decode_fn=tok.decode)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def _toy_config(tmp_path, **kw) -> TrainConfig:
+  from tests.test_train import BASE  # pylint: disable=import-outside-toplevel
+  return dataclasses.replace(BASE, out=str(tmp_path / "run"),
+                             tiny_policy={"head_dim": 64, "num_heads": 1, "num_kv_heads": 1},
+                             rollout_engine="vllm", vllm_kv_cache_gib=KV_GIB, iters=1, **kw)
+
+
+@needs_vllm
+def test_one_trainer_iteration_with_the_vllm_engine(tmp_path):
+  # pylint: disable=import-outside-toplevel
+  from envs import demos as demos_lib
+  from envs import registry
+  from envs.toy import ToyEnv
+  from salt_jax import sft
+  from salt_jax.models.build import build_policy, build_tokenizer, save_params
+  from salt_jax.sharding import make_mesh
+  from salt_jax.train import Trainer
+  from tests.test_train import ENV_KW
+
+  # a behaviour-cloned start (as tests/test_train.py's): outcomes differ, so the update runs
+  cfg = _toy_config(tmp_path)
+  tok = build_tokenizer(cfg)
+  warm = build_policy(cfg, tok, make_mesh(cfg.mesh))
+  demos = demos_lib.collect_demos(ToyEnv(max_steps=cfg.max_steps, **ENV_KW),
+                                  registry.training_tasks(cfg), seeds=range(12),
+                                  max_steps=cfg.max_steps, only_won=False, epsilon=0.25)
+  batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64)
+  sft.behaviour_clone(warm, batch, sft.SFTConfig(steps=150, rows=8, lr=1e-2))
+  save_params(str(tmp_path / "warm"), nnx.state(warm))
+  cfg = dataclasses.replace(cfg, init_params=str(tmp_path / "warm"))
+
+  with Trainer(cfg) as tr:
+    tr.setup()
+    try:
+      row = tr.iteration()
+      assert type(tr.sampler).__name__ == "VLLMEngine"
+      assert row["num_updates"] >= 1 and np.isfinite(row["loss"])
+      assert 0 < row["time/weight_sync"] < 60
+      # the engine's log-probs of the trained tokens against the trainer's own (recomputed)
+      assert 0 <= row["engine_logprob_abs_diff"] < 1e-3
+      # the engine holds the updated policy: greedy tokens equal the built-in sampler's on it
+      prompts = [list(mb[: 30]) for mb in tr.last.rollout.prompt_ids[:3]]
+      ref = _sampler(tr.model, tr.tokenizer)(prompts, KEY, max_new_tokens=12, greedy=True,
+                                             decode_fn=tr.tokenizer.decode)
+      out = tr.sampler(prompts, None, max_new_tokens=12, greedy=True,
+                       decode_fn=tr.tokenizer.decode)
+      _assert_same(ref, out)
+    finally:
+      written = list(tr.sampler._cleanup)  # pylint: disable=protected-access
+      tr.sampler.close()
+  assert written and not any(os.path.exists(d) for d in written)  # its temporary folders
+  assert tr.sampler.llm is None
+
+
+# ----------------------------------------------------------------------------- refusals (no vllm)
+
+def test_a_missing_vllm_is_refused_in_one_line(tmp_path, monkeypatch):
+  monkeypatch.setattr(engines, "vllm_installed", lambda: False)
+  with pytest.raises(ValueError) as e:
+    _toy_config(tmp_path).validate()
+  assert str(e.value) == engines.VLLM_MISSING
+  assert 'pip install -e ".[vllm]"' in str(e.value)
+
+
+def test_settings_the_engine_cannot_run_are_refused(tmp_path, monkeypatch):
+  monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+  cfg = _toy_config(tmp_path)
+  cfg.validate()  # head_dim 64: fine
+  with pytest.raises(ValueError, match="head_dim 16 is not one vLLM's CPU attention runs"):
+    dataclasses.replace(cfg, tiny_policy={}).validate()  # the tiny policy's own head_dim
+  with pytest.raises(ValueError, match="head_dim 24"):
+    dataclasses.replace(cfg, tiny_policy={"head_dim": 24}).validate()
+  with pytest.raises(ValueError, match=r"vLLM's Qwen2 needs head_dim = hidden_size // num_heads"):
+    dataclasses.replace(cfg, tiny_policy={"head_dim": 64}).validate()  # 4 heads of 64 in 64
+  with pytest.raises(ValueError, match="unknown rollout_engine 'sglang'"):
+    dataclasses.replace(cfg, rollout_engine="sglang").validate()
+  with pytest.raises(ValueError, match="vllm_kv_cache_gib"):
+    dataclasses.replace(cfg, vllm_kv_cache_gib=0.0).validate()
+  with pytest.raises(ValueError, match="distributed"):
+    dataclasses.replace(cfg, distributed=True).validate()
+  # the built-in engine takes any head size
+  dataclasses.replace(cfg, rollout_engine="builtin", tiny_policy={}).validate()
+
+
+def test_the_engine_refuses_a_head_size_before_any_work(monkeypatch, tmp_path):
+  monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+  from salt_jax.engines.vllm_engine import VLLMEngine  # pylint: disable=import-outside-toplevel
+  tok = named_tokenizer("toy")
+  config = dataclasses.replace(_tiny_config("qwen2", tok), head_dim=24)
+  with pytest.raises(ValueError, match="head_dim 24"):
+    VLLMEngine.from_model(_model(config), tok, max_model_len=MAX_LEN)
+  assert os.listdir(tmp_path) == []  # no folder written
