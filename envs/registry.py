@@ -99,8 +99,9 @@ def training_tasks(env_config) -> list[Task]:
   by_id = {t.task_id: t for t in tasks}
   missing = [i for i in ids if i not in by_id]
   if missing:
-    raise ValueError(f"{len(missing)} of train_task_ids are not tasks of {env_config.env}'s "
-                     f"{split!r} split, e.g. {missing[0]!r}")
+    like = f" (its {len(tasks)} ids are like {tasks[0].task_id!r})" if tasks else ""
+    raise ValueError(f"train_task_ids: {len(missing)} of {len(ids)} are not tasks of "
+                     f"{env_config.env}'s {split!r} split, e.g. {missing[0]!r}{like}")
   return [by_id[i] for i in ids]
 
 
@@ -177,11 +178,4 @@ def check_env_config(env_config) -> None:
   need = env_config.num_train_tasks
   if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
     raise ValueError(f"num_train_tasks must be None or an int >= 1, got {need!r}")
-  if env_config.train_task_ids is not None:
-    tasks = task_list(name, split, **kwargs)  # as `training_tasks` lists them for named ids
-    have = {t.task_id for t in tasks}
-    missing = [i for i in env_config.train_task_ids if i not in have]
-    if missing:
-      raise ValueError(f"train_task_ids: {len(missing)} of {len(env_config.train_task_ids)} "
-                       f"are not tasks of {name}'s {split!r} split, e.g. {missing[0]!r} (its "
-                       f"{len(tasks)} ids are like {tasks[0].task_id!r})")
+  training_tasks(env_config)  # the named train_task_ids are tasks of the train split

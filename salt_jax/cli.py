@@ -223,9 +223,8 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
   log.configure(getattr(args, "log_level", None))
 
   def trainer_or_exit(c):
-    try:
-      c.validate()
-      return Trainer(c)  # forms the mesh; refuses a resume with changed settings
+    try:  # Trainer validates the config first (now that it lists tasks and reads config.json)
+      return Trainer(c)  # then forms the mesh, locks --out, refuses a resume with changed settings
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
 

@@ -227,6 +227,36 @@ def _choose(logits, row_keys, step, knobs: _Knobs, mode: _Mode):
   return tok, lp, plp
 
 
+def check_request(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn,
+                  *, vocab_size: int | None = None) -> None:
+  """Raises ValueError naming the first bad argument of a sampling call (any rollout engine's):
+  prompts a non-empty list of non-empty token-id lists (ids in [0, vocab_size) when given),
+  max_new_tokens an int >= 1, temperature >= 0, top_p in (0, 1], top_k an int >= 0, stop
+  strings non-empty strings with a decode_fn to find them."""
+  if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+    raise ValueError("prompts must be a non-empty list of token-id lists")
+  for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+    if min(p) < 0 or (vocab_size is not None and max(p) >= vocab_size):
+      raise ValueError(f"prompt {i} holds a token id outside [0, {vocab_size})")
+  if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if not np.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
+    raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+  if isinstance(stop_strings, str):
+    raise ValueError("stop_strings must be a sequence of strings, not one string")
+  if any(not s for s in stop_strings):
+    raise ValueError("stop_strings must not contain an empty string")
+  if stop_strings and decode_fn is None:
+    raise ValueError("stop_strings need a decode_fn (token ids -> text) to be detected")
+
+
 class Sampler:
   """Samples from a `CausalLM` with a KV cache; one compiled program per (batch, prompt) bucket.
 
@@ -527,32 +557,12 @@ class Sampler:
 
   def _validate(self, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings,
                 decode_fn, continue_rows, keep_cache):
-    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-      raise ValueError("prompts must be a non-empty list of token-id lists")
-    vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+    check_request(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn,
+                  vocab_size=getattr(getattr(self.model, "config", None), "vocab_size", None))
     for i, p in enumerate(prompts):
-      if len(p) == 0:
-        raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
       if len(p) >= self.max_cache_len:
         raise ValueError(f"prompt {i} has {len(p)} tokens, which does not leave room in "
                          f"max_cache_len={self.max_cache_len}")
-      if min(p) < 0 or (vocab is not None and max(p) >= vocab):
-        raise ValueError(f"prompt {i} holds a token id outside [0, {vocab})")
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
-        or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not np.isfinite(temperature) or temperature < 0:
-      raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
-      raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
-    if isinstance(stop_strings, str):
-      raise ValueError("stop_strings must be a sequence of strings, not one string")
-    if any(not s for s in stop_strings):
-      raise ValueError("stop_strings must not contain an empty string")
-    if stop_strings and decode_fn is None:
-      raise ValueError("stop_strings need a decode_fn (token ids -> text) to be detected")
     if not isinstance(keep_cache, bool):
       raise ValueError(f"keep_cache must be a bool, got {keep_cache!r}")
     if continue_rows is None:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from salt_jax.engines import VLLM_MISSING, check_vllm_engine
-from salt_jax.sampling import SampleOutput, _stop_cut
+from salt_jax.sampling import SampleOutput, _stop_cut, check_request
 
 logger = logging.getLogger(__name__)
 
@@ -202,22 +202,15 @@ class VLLMEngine:
     is ignored: the engine's generator draws)."""
     del key  # see the module docstring
     from vllm.inputs import TokensPrompt  # pylint: disable=import-outside-toplevel
-    stop_strings = tuple(stop_strings)
     if isinstance(prompts, np.ndarray):
       prompts = list(prompts)
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-      raise ValueError("prompts must be a non-empty list of token-id lists")
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
-        or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_request(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn,
+                  vocab_size=self.model_config.vocab_size)
+    stop_strings = tuple(stop_strings)
     for i, p in enumerate(prompts):
-      if len(p) == 0:
-        raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
       if len(p) + max_new_tokens > self.max_model_len:
         raise ValueError(f"prompt {i} has {len(p)} tokens: with max_new_tokens={max_new_tokens} "
                          f"it does not fit max_model_len={self.max_model_len}")
-    if stop_strings and decode_fn is None:
-      raise ValueError("stop_strings need a decode_fn (token ids -> text) to be detected")
     greedy = bool(greedy) or temperature == 0
     params = self._sampling_params(max_new_tokens, temperature, top_p, top_k, greedy,
                                    stop_strings)

@@ -299,6 +299,23 @@ def tiny_policy_config(overrides: Mapping[str, Any], **run_fields) -> ModelConfi
     raise ValueError(f"tiny_policy {dict(overrides)}: {e}") from None
 
 
+def read_hf_config(path: str | os.PathLike) -> dict:
+  """The config.json dict of a local Hugging Face folder.
+
+  Raises:
+    ValueError: no such folder, or a folder without config.json (naming it); json's own
+      ValueError for a file that is not JSON.
+  """
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise ValueError(f"checkpoint folder {path!r} does not exist")
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise ValueError(f"{path} has no config.json")
+  with open(config_path, encoding="utf-8") as f:
+    return json.load(f)
+
+
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
   """The ModelConfig of a `--model`: a local Hugging Face folder's config.json or a .gguf
   file's metadata (reads no weights).
@@ -315,12 +332,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
       return ModelConfig.from_hf_dict(load_gguf_config(path))
     if not os.path.isdir(path):
       raise ValueError("not a local folder or .gguf file (Hugging Face hub ids are not fetched)")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-      raise ValueError("the folder has no config.json")
-    with open(config_path, encoding="utf-8") as f:
-      d = json.load(f)
-    return ModelConfig.from_hf_dict(d)
+    return ModelConfig.from_hf_dict(read_hf_config(path))
   except (OSError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
     raise ValueError(f"--model {path}: {e}") from None
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 import safetensors.numpy
 
-from salt_jax.models.config import ModelConfig
+from salt_jax.models.config import ModelConfig, read_hf_config
 from salt_jax.models.gguf import is_gguf_file, load_gguf_state_dict
 from salt_jax.models.partitioning import ActivationSharding, ShardingRules, shardings_for_state
 from salt_jax.models.qwen2 import CausalLM
@@ -312,13 +312,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh: Mesh | None = 
                                  attention_impl=attention_impl, remat_policy=remat_policy)
     return load_state_dict(config, tensors, dtype=dtype, mesh=mesh, rules=rules,
                            compute_dtype=compute_dtype)
-  if not os.path.isdir(path):
-    raise ValueError(f"checkpoint folder {path!r} does not exist")
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
-    raise ValueError(f"{path} has no config.json")
-  with open(config_path) as fh:
-    hf_config = json.load(fh)
+  hf_config = read_hf_config(path)
   config = dataclasses.replace(ModelConfig.from_hf_dict(hf_config), attention_impl=attention_impl,
                                remat_policy=remat_policy)
   if dtype is None:
