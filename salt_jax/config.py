@@ -104,8 +104,8 @@ class RolloutConfig:
                              "action) or format (no parsable action: verl-agent's)")
   rollout_engine: str = _field("builtin", "what samples the rollouts: builtin (salt_jax's JAX "
                                "sampler) or vllm (vLLM's engine, fed the params after every "
-                               "update; the vllm extra; old log-probs are then recomputed by the "
-                               "trainer)")
+                               "update; installed apart, see README; old log-probs are then "
+                               "recomputed by the trainer)")
   vllm_kv_cache_gib: float = _field(4.0, "the vllm engine's KV cache, GiB "
                                     "(VLLM_CPU_KVCACHE_SPACE)")
 

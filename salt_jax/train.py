@@ -699,9 +699,8 @@ class Trainer:
     the log and the checkpoints (the last one complete), then gives the run folder's lock back."""
     try:
       engine_close = getattr(getattr(self, "sampler", None), "close", None)
-      if engine_close is not None:
+      if engine_close is not None:  # idempotent: close() may be called again
         engine_close()
-        self.sampler = None
       if self._pool is not None:
         self._pool.close()
         self._pool = None

