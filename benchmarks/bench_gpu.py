@@ -45,7 +45,7 @@ def chip_limits(kind: str, peak_tflops, bandwidth_tbs):
   return (peak * 1e12 if peak else None), (bw * 1e12 if bw else None)
 
 
-def _best(fn, repeats):
+def best_seconds(fn, repeats):
   fn()  # compile
   best = float("inf")
   for _ in range(repeats):
@@ -95,8 +95,9 @@ def main(argv=None) -> int:
   sampler = Sampler(model, eos_token_ids=[0], pad_token_id=0, max_cache_len=prompt + new,
                     prompt_buckets=(prompt,), batch_buckets=(b_dec,))
   key = jax.random.key(0)
-  t_all = _best(lambda: sampler(prompts, key, max_new_tokens=new, greedy=True), args.repeats)
-  t_one = _best(lambda: sampler(prompts, key, max_new_tokens=1, greedy=True), args.repeats)
+  call = lambda n: sampler(prompts, key, max_new_tokens=n, greedy=True)  # noqa: E731
+  t_all = best_seconds(lambda: call(new), args.repeats)
+  t_one = best_seconds(lambda: call(1), args.repeats)
   dec = b_dec * (new - 1) / max(t_all - t_one, 1e-9)
   kv_bytes = 2 * cfg.num_layers * b_dec * (prompt + new / 2) * cfg.num_kv_heads * cfg.head_dim * 2
   bound = b_dec * bw / (weight_bytes + kv_bytes) if bw else None
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     return policy_loss(logp, old, adv, mask, clip_eps=0.2)[0]
 
   step = nnx.jit(nnx.value_and_grad(loss_fn))
-  t = _best(lambda: jax.block_until_ready(step(model)), args.repeats)
+  t = best_seconds(lambda: jax.block_until_ready(step(model)), args.repeats)
   tokens = b_tr * (seq - 1)
   flops_per_token = 6 * matmul_params + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq
   mfu = tokens / t * flops_per_token / peak if peak else None

@@ -377,7 +377,8 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
   sampler = sampling.Sampler(
       model, eos_token_ids=list(model_config.eos_token_ids) or [0], pad_token_id=0,
       max_cache_len=cfg.max_cache_len, mesh=mesh,
-      prompt_buckets=sampling.doubling_buckets(cfg.prompt_bucket_min, cfg.max_cache_len))
+      prompt_buckets=sampling.length_buckets(cfg.prompt_bucket_min, cfg.max_cache_len,
+                                            cfg.prompt_buckets_per_doubling))
   # pylint: disable=protected-access  (the sampler's own programs and bucketing)
   batch = sampler._pad_batch(shape.sampler_batch)
   prompt = sampler._prompt_bucket(prompt_len, cfg.max_new_tokens)
@@ -392,7 +393,7 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
   def prefill_args(rows):
     return (params, None, None, _on(mesh, (rows, cache), jnp.bool_),
             _on(mesh, (rows, prompt), jnp.int32), _on(mesh, (rows, prompt), jnp.int32),
-            _on(mesh, (rows, prompt), jnp.bool_), scalar, scalar, key, knobs)
+            _on(mesh, (rows, prompt), jnp.bool_), scalar, None, scalar, key, knobs)
 
   out = {}
   prefill, prefill_compiled = compile_program("prefill", sampler._prefill, prefill_args(batch),

@@ -99,6 +99,9 @@ class RolloutConfig:
                                          "conversation)")
   max_cache_len: int = _field(8192, "prompt + response tokens at most (the KV cache)")
   prompt_bucket_min: int = _field(128, "smallest sampler prompt bucket")
+  prompt_buckets_per_doubling: int = _field(8, "sampler prompt buckets per doubling of length "
+                                            "(1: powers of two, a prompt padded by up to half; "
+                                            "8: by up to an eighth, more compiled prefills)")
   invalid_action_penalty: float = _field(0.1, "reward lost per invalid step")
   invalid_step: str = _field("admissible", "admissible (the parser or the env rejects the "
                              "action) or format (no parsable action: verl-agent's)")
@@ -279,7 +282,8 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     one_of("rollout_engine", ROLLOUT_ENGINES)
     for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "salt_history",
                  "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
-                 "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min"):
+                 "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min",
+                 "prompt_buckets_per_doubling"):
       pos_int(name)
     for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows",
                  "logprob_microbatch_rows"):

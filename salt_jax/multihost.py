@@ -149,7 +149,8 @@ def share(items: Sequence, process: int, num_processes: int) -> list:
 # Per-step and per-trajectory ids renumbered when batches are concatenated.
 _GROUP_IDS = ("step_group_ids", "traj_group_ids")
 _TRAJ_IDS = ("step_traj_ids",)
-_SUMMED = ("num_trajectories", "num_failed", "num_steps", "response_tokens", "env_restarts")
+_SUMMED = ("num_trajectories", "num_failed", "num_steps", "response_tokens", "env_restarts",
+           "prompt_tokens", "reused_prompt_tokens", "prefilled_prompt_tokens")
 _SLOWEST = ("gen_time_s", "env_time_s", "other_time_s", "total_time_s", "turns")
 
 

@@ -62,7 +62,8 @@ class SampleOutputLike(Protocol):
   policy_logprobs: list  # f32[n_i] under the raw model at temperature 1: the old log-probs
   texts: Optional[list]  # decoded text, or None (the loop decodes with the tokenizer)
   finish_reasons: list
-  # Optionally reused_tokens: int, prompt tokens read from a kept KV cache (0 when absent).
+  # Optionally reused_tokens: int, prompt tokens read from a kept KV cache (0 when absent), and
+  # prefilled_tokens: int, prompt tokens run through the model (default: the rest).
 
 
 class SamplerFn(Protocol):
@@ -123,8 +124,9 @@ class RolloutBatch:
   whole_history: the prompts are one prefix-consistent stream per trajectory (enables the
     one-sequence-per-trajectory layout).
   metrics: valid_action_ratio, success_rate, gen_time_s, env_time_s, env_wait_fraction,
-    prompt_tokens (over all turns) and reused_prompt_tokens (read from a kept KV cache rather
-    than prefilled), ...
+    prompt_tokens (over all turns), reused_prompt_tokens (read from a kept KV cache rather
+    than prefilled) and prefilled_prompt_tokens (run through the model: a prompt repeated in
+    one sampler call counts once), ...
   """
 
   prompt_ids: list = _per_step()
@@ -430,7 +432,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
   admissible: list = [None] * n_traj
   row_of = np.full(n_traj, -1)  # each trajectory's row in the last sampler call
   gen_s = env_s = 0.0
-  prompt_tokens = reused_tokens = 0
+  prompt_tokens = reused_tokens = prefilled_tokens = 0
   t_start = time.perf_counter()
   restarts_before = int(getattr(env_pool, "restarts", 0))
 
@@ -469,7 +471,9 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     gen_s += time.perf_counter() - t0
     _check_output(out, len(active))
     prompt_tokens += sum(len(p) for p in prompts)
-    reused_tokens += int(getattr(out, "reused_tokens", 0))
+    reused = int(getattr(out, "reused_tokens", 0))
+    reused_tokens += reused
+    prefilled_tokens += int(getattr(out, "prefilled_tokens", sum(len(p) for p in prompts) - reused))
     texts = out.texts if out.texts is not None else [
         tokenizer.decode([int(t) for t in toks]) for toks in out.tokens]
     parsed = [parse_action(texts[j], admissible[i]) for j, i in enumerate(active)]
@@ -515,6 +519,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       num_trajectories=n_traj, num_failed=int(failed.sum()), num_steps=len(flat), turns=turns,
       response_tokens=int(sum(len(s["response_ids"]) for s in flat)),
       prompt_tokens=prompt_tokens, reused_prompt_tokens=reused_tokens,
+      prefilled_prompt_tokens=prefilled_tokens,
       gen_time_s=gen_s, env_time_s=env_s, other_time_s=total_s - gen_s - env_s,
       total_time_s=total_s, env_wait_fraction=env_wait_fraction(env_s, gen_s),
       env_restarts=int(getattr(env_pool, "restarts", 0)) - restarts_before)

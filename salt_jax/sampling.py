@@ -34,6 +34,12 @@ after the last slot any row wrote. Slots a row wrote that its returned response 
 is harmless. When any prompt cannot continue, or the suffix would overflow the cache, the call
 falls back to a full prefill: same result, more work.
 
+Repeated prompts: a call's equal prompts (a GRPO group's G copies of a task's first prompt, or
+rows that a continuation leaves equal) are prefilled once, in the batch bucket of the distinct
+prompts, and each copy's row gets that row's cache, mask and first logits (a gather on the
+device) before it samples with its own key. Only a smaller batch bucket saves work, so calls
+whose distinct prompts fill the same bucket prefill every row as before.
+
 Randomness: row r at step i draws with `fold_in(fold_in(key, r), i)`, so a prompt's sample depends
 only on the key, its index in the list and the step, never on the batch bucket.
 """
@@ -75,6 +81,8 @@ class SampleOutput:
     num_steps: decode steps the loop ran (< max_new_tokens when every row finished early).
     reused_tokens: prompt tokens read from the kept cache instead of prefilled (0 unless the call
       continued the previous one).
+    prefilled_tokens: prompt tokens this call ran through the model (a prompt that repeats an
+      earlier one in the call is prefilled once; padding not counted).
   """
 
   tokens: list[np.ndarray]
@@ -84,6 +92,7 @@ class SampleOutput:
   finish_reasons: list[str]
   num_steps: int = 0
   reused_tokens: int = 0
+  prefilled_tokens: int = 0
 
 
 class _Knobs(NamedTuple):
@@ -103,8 +112,9 @@ class _Mode(NamedTuple):
 
 
 class _LoopState(NamedTuple):
-  """The decode loop's carry. B: batch bucket, S: cache length, P: prompt (or suffix) bucket,
-  N = S - P + 1 output columns (start >= P - 1, so at most N steps fit)."""
+  """The decode loop's carry. B: batch bucket, S: cache length. The output columns are S wide
+  though at most S - P + 1 steps fit after a prompt bucket P, so the decode program's shapes (and
+  its compile) depend on (B, S) alone, whatever the prompt bucket."""
 
   cache: Any              # the model's KVCache pytree
   cache_mask: jax.Array   # bool[B, S] slots holding real tokens
@@ -114,9 +124,9 @@ class _LoopState(NamedTuple):
   step: jax.Array         # i32[] tokens generated so far (the next output column)
   done: jax.Array         # bool[B]
   lengths: jax.Array      # i32[B] tokens generated per row before it finished
-  tokens: jax.Array       # i32[B, N]
-  logprobs: jax.Array     # f32[B, N] under the sampling distribution
-  policy_logprobs: jax.Array  # f32[B, N] under the raw model
+  tokens: jax.Array       # i32[B, S]
+  logprobs: jax.Array     # f32[B, S] under the sampling distribution
+  policy_logprobs: jax.Array  # f32[B, S] under the raw model
   row_keys: jax.Array     # key[B] one PRNG key per row
 
 
@@ -130,15 +140,19 @@ class _Kept(NamedTuple):
 
 
 class _Plan(NamedTuple):
-  """How one call fills the cache: a suffix per prompt written at `cursor` (host arrays)."""
+  """How one call fills the cache: a suffix per distinct prompt written at `cursor` (host
+  arrays). U: the batch bucket of the distinct prompts, B: of all prompts (U = B unless prompts
+  repeat)."""
 
-  tokens: np.ndarray       # i32[B, P] left-padded suffixes (whole prompts for a full prefill)
-  positions: np.ndarray    # i32[B, P] their position ids (0 on padding)
-  suffix_mask: np.ndarray  # bool[B, P] True on real suffix tokens
+  tokens: np.ndarray       # i32[U, P] left-padded suffixes (whole prompts for a full prefill)
+  positions: np.ndarray    # i32[U, P] their position ids (0 on padding)
+  suffix_mask: np.ndarray  # bool[U, P] True on real suffix tokens
   cursor: int              # slot of the suffix bucket's first column
-  rows: np.ndarray | None  # i32[B] kept row each row continues; None: a full prefill
-  keep: np.ndarray         # bool[B, W] kept slots each row attends to (none for a full prefill)
+  rows: np.ndarray | None  # i32[U] kept row each row continues; None: a full prefill
+  keep: np.ndarray         # bool[U, W] kept slots each row attends to (none for a full prefill)
   reused: int              # prompt tokens read from the kept cache
+  prefilled: int = 0       # prompt tokens prefilled (real, not padding)
+  expand: np.ndarray | None = None  # i32[B] the prefilled row each prompt's row copies; None: U = B
 
 
 # Batch buckets up to this many rows decode with `_few_rows_compiler_options`.
@@ -159,15 +173,28 @@ def _few_rows_compiler_options(attention_impl: str | None) -> dict | None:
   return None
 
 
-def doubling_buckets(shortest: int, longest: int) -> list[int]:
-  """Prompt (or cache) lengths to pad to: shortest, 2 shortest, 4 shortest, ... up to longest.
+def length_buckets(shortest: int, longest: int, per_doubling: int = 1) -> list[int]:
+  """Lengths to pad prompts (or caches) to: from `shortest` up to `longest`, each doubling of
+  length split into `per_doubling` equal steps (rounded up to a multiple of 8 from 64 on).
 
-  Doubling keeps the compiled programs few (one per bucket) while padding wastes at most half.
+  One compiled prefill serves each bucket, so the count stays bounded (per_doubling a doubling),
+  while a length past `shortest` is padded by at most 1/per_doubling of itself: 1 doubles
+  (16, 32, 64, ...: up to half the work is padding), 8 pads by at most 12.5%.
   `shortest` is always included, even past `longest`.
   """
+  if shortest < 1 or per_doubling < 1:
+    raise ValueError(f"length_buckets needs shortest >= 1 and per_doubling >= 1, got "
+                     f"{shortest}, {per_doubling}")
   out = [shortest]
-  while out[-1] * 2 <= longest:
-    out.append(out[-1] * 2)
+  base = shortest
+  while base * 2 <= longest or (per_doubling > 1 and base < longest):
+    step = -(-base // per_doubling)
+    if base >= 64:
+      step = -(-step // 8) * 8
+    out.extend(x for x in range(base + step, 2 * base, step) if x <= longest)
+    base *= 2
+    if base <= longest:
+      out.append(base)
   return out
 
 
@@ -276,23 +303,27 @@ class Sampler:
                batch_buckets: Sequence[int] = _DEFAULT_BATCH_BUCKETS,
                cache_buckets: Sequence[int] | None = None,
                cache_dtype=None, mesh: jax.sharding.Mesh | None = None,
-               stop_check_every: int = 16):
+               stop_check_every: int = 16, share_prompts: bool = True):
     """Args:
       model: a `CausalLM` (anything with `init_cache` and `forward_cached` as there).
       eos_token_ids: ids that end a row (the EOS token is kept in the output).
       pad_token_id: id used for left padding and for dummy rows.
       max_cache_len: S, cache slots per row; prompt bucket + max_new_tokens - 1 must fit.
-      prompt_buckets: prompt lengths to pad to; default powers of two from 16 up to S.
+      prompt_buckets: prompt lengths to pad to; default `length_buckets(16, S, 8)` (at most
+        12.5% padding past 16 tokens).
       batch_buckets: batch sizes to pad to; past the largest, the batch is padded to a multiple
         of it. With a mesh, each bucket is rounded up to a multiple of the 'data' axis size.
       cache_buckets: cache lengths W a call allocates: the smallest that holds its prompts and
         max_new_tokens (a continued cache grows into a larger one). Every decode step attends
         over all W slots, so a short rollout in a long `max_cache_len` should not pay for the
-        whole of it. Default: powers of two from 128, and max_cache_len.
+        whole of it. Default: `length_buckets(128, S, 4)`, and max_cache_len.
       cache_dtype: KV cache dtype (default: the model's).
       mesh: ('data', 'model') mesh to split prompts and the loop state over 'data'; default: the
         mesh the model was sharded onto (`shard_model`), if any.
       stop_check_every: decode steps between host checks for stop strings.
+      share_prompts: prompts of one call that are identical (a GRPO group's G copies of a task's
+        first prompt) are prefilled once and their cache rows copied; each row still samples with
+        its own key, so the output is the same as without sharing (up to float rounding).
     """
     eos = tuple(int(t) for t in np.atleast_1d(np.asarray(eos_token_ids, dtype=np.int64)))
     if not eos:
@@ -305,13 +336,13 @@ class Sampler:
     self.pad_token_id = int(pad_token_id)
     self.max_cache_len = int(max_cache_len)
     if prompt_buckets is None:
-      prompt_buckets = doubling_buckets(16, self.max_cache_len)
+      prompt_buckets = length_buckets(16, self.max_cache_len, 8)
     self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
     if not self.prompt_buckets or self.prompt_buckets[0] < 1:
       raise ValueError(f"prompt_buckets must be positive lengths, got {prompt_buckets}")
     self._mesh = mesh
     if cache_buckets is None:
-      cache_buckets = doubling_buckets(128, self.max_cache_len)
+      cache_buckets = length_buckets(128, self.max_cache_len, 4)
     self.cache_buckets = tuple(sorted({min(int(b), self.max_cache_len) for b in cache_buckets}
                                       | {self.max_cache_len}))
     if self.cache_buckets[0] < 2:
@@ -321,6 +352,7 @@ class Sampler:
       raise ValueError(f"batch_buckets must be positive sizes, got {batch_buckets}")
     self.cache_dtype = cache_dtype
     self.stop_check_every = int(stop_check_every)
+    self.share_prompts = bool(share_prompts)
     self.model = model
     self.num_traces = 0  # bumped each time a program is traced: a test hook for "no recompile"
     self.refresh()
@@ -368,7 +400,7 @@ class Sampler:
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
   def _prefill_impl(self, graphdef, state, kept_cache, rows, keep, tokens, positions,
-                    suffix_mask, cursor, n_real, key, knobs: _Knobs, *, mode: _Mode):
+                    suffix_mask, cursor, expand, n_real, key, knobs: _Knobs, *, mode: _Mode):
     """Writes the suffixes to the cache at `cursor` and samples each row's first new token.
 
     A full prefill is the case with no kept cache: a fresh cache, cursor 0, whole prompts.
@@ -384,18 +416,20 @@ class Sampler:
       positions: i32[B, P] position ids (0 on padding).
       suffix_mask: bool[B, P] True on real suffix tokens.
       cursor: i32[] slot of the first suffix column (traced: no recompile as a rollout grows).
-      n_real: i32[] prompts in the batch; rows from n_real on are padding and start done.
+      expand: i32[B'] the row of `tokens` each output row copies (its cache, mask and first
+        logits), or None for one output row per row of `tokens`.
+      n_real: i32[] prompts in the output batch; rows from n_real on are padding and start done.
       key: the call's PRNG key.
       knobs, mode: as for `_decode_impl`.
     Returns:
       _LoopState after step 0: the first new token sampled and queued for slot cursor + P.
     """
     self.num_traces += 1
-    b, p = tokens.shape
+    p = tokens.shape[1]
     s = keep.shape[1]
     model = nnx.merge(graphdef, state)
     if kept_cache is None:
-      cache = model.init_cache(b, s, dtype=self.cache_dtype)
+      cache = model.init_cache(tokens.shape[0], s, dtype=self.cache_dtype)
     else:
       cache = kept_cache.take_rows(rows, s)  # the continued rows, grown to this call's length
     keep = self._constrain_batch(keep)
@@ -403,22 +437,28 @@ class Sampler:
         jax.lax.dynamic_update_slice(keep, suffix_mask, (0, cursor)))
     logits, cache = model.forward_cached(tokens, positions, cache, cursor, cache_mask,
                                          last_logits_only=True)
-    n = s - p + 1
+    logits, last_token, last_pos = logits[:, -1], tokens[:, -1], positions[:, -1]
+    if expand is not None:  # repeated prompts: copy the one prefilled row to each of them
+      cache = cache.take_rows(expand, s)
+      cache_mask, logits, last_token, last_pos = (
+          self._constrain_batch(jnp.take(x, expand, axis=0))
+          for x in (cache_mask, logits, last_token, last_pos))
+    b = cache_mask.shape[0]
     loop = _LoopState(
         cache=cache,
         cache_mask=cache_mask,
         start=jnp.asarray(cursor + p - 1, jnp.int32),
-        last_token=tokens[:, -1],
-        last_pos=positions[:, -1],
+        last_token=last_token,
+        last_pos=last_pos,
         step=jnp.int32(0),
         done=self._constrain_batch(jnp.arange(b) >= n_real),
         lengths=self._constrain_batch(jnp.zeros((b,), jnp.int32)),
-        tokens=self._constrain_batch(jnp.full((b, n), self.pad_token_id, jnp.int32)),
-        logprobs=self._constrain_batch(jnp.zeros((b, n), jnp.float32)),
-        policy_logprobs=self._constrain_batch(jnp.zeros((b, n), jnp.float32)),
+        tokens=self._constrain_batch(jnp.full((b, s), self.pad_token_id, jnp.int32)),
+        logprobs=self._constrain_batch(jnp.zeros((b, s), jnp.float32)),
+        policy_logprobs=self._constrain_batch(jnp.zeros((b, s), jnp.float32)),
         row_keys=jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(b, dtype=jnp.uint32)),
     )
-    return self._advance(loop, logits[:, -1], cache, cache_mask, knobs, mode)
+    return self._advance(loop, logits, cache, cache_mask, knobs, mode)
 
   def _advance(self, c: _LoopState, logits, cache, cache_mask, knobs: _Knobs,
                mode: _Mode) -> _LoopState:
@@ -528,7 +568,8 @@ class Sampler:
     pb = self._prompt_bucket(max(len(p) for p in prompts), max_new_tokens)
     tokens, positions, mask = self._layout(prompts, [0] * len(prompts), pb, bb)
     keep = np.zeros((bb, self._cache_len(pb + max_new_tokens - 1)), bool)
-    return _Plan(tokens, positions, mask, cursor=0, rows=None, keep=keep, reused=0)
+    return _Plan(tokens, positions, mask, cursor=0, rows=None, keep=keep, reused=0,
+                 prefilled=int(sum(len(p) for p in prompts)))
 
   def _plan_continuation(self, prompts, continue_rows, kept: _Kept, bb: int,
                          max_new_tokens: int) -> _Plan | None:
@@ -553,7 +594,29 @@ class Sampler:
     keep = np.zeros((bb, self._cache_len(kept.cursor + sb - 1 + max_new_tokens, width)), bool)
     keep[:n, :width] = kept.slots[rows[:n]]
     return _Plan(tokens, positions, mask, cursor=kept.cursor, rows=rows, keep=keep,
-                 reused=int(sum(bases)))
+                 reused=int(sum(bases)), prefilled=int(sum(len(x) for x in suffixes)))
+
+  def _plan(self, prompts, continue_rows, kept: _Kept | None, bb: int,
+            max_new_tokens: int) -> _Plan:
+    """The call's plan: prefill each distinct prompt once (continuing its kept row where it
+    can), then copy its row to every prompt that repeats it (`expand`)."""
+    first, expand = {}, np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
+    for i, p in enumerate(prompts):
+      expand[i] = first.setdefault(tuple(p) if self.share_prompts else i, len(first))
+    order = [None] * len(first)
+    for i in range(len(prompts) - 1, -1, -1):
+      order[expand[i]] = i  # each distinct prompt's first occurrence
+    distinct = [prompts[i] for i in order]
+    bu = self._pad_batch(len(distinct))
+    if bu == bb:  # no smaller batch to prefill: one program shape fewer without the copy
+      distinct, order, expand = list(prompts), list(range(len(prompts))), None
+    plan = None
+    if continue_rows is not None and kept is not None:
+      plan = self._plan_continuation(distinct, [continue_rows[i] for i in order], kept, bu,
+                                     max_new_tokens)
+    if plan is None:
+      plan = self._plan_full(distinct, bu, max_new_tokens)
+    return plan._replace(expand=expand)
 
   def _validate(self, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings,
                 decode_fn, continue_rows, keep_cache):
@@ -623,11 +686,7 @@ class Sampler:
     mode = _Mode(greedy=greedy, filtered=not greedy and (k_filters or top_p < 1.0))
 
     bb = self._pad_batch(n)
-    plan = None
-    if continue_rows is not None and kept is not None:
-      plan = self._plan_continuation(prompts, continue_rows, kept, bb, max_new_tokens)
-    if plan is None:
-      plan = self._plan_full(prompts, bb, max_new_tokens)
+    plan = self._plan(prompts, continue_rows, kept, bb, max_new_tokens)
     # numpy scalars: jit takes them as traced values without a device dispatch each.
     knobs = _Knobs(temperature=np.float32(max(temperature, 1e-6)), top_p=np.float32(top_p),
                    top_k=np.int32(k if k_filters else np.iinfo(np.int32).max),
@@ -636,8 +695,8 @@ class Sampler:
     state = self._state
     loop = self._prefill(state, None if plan.rows is None else kept.cache, self._put(plan.rows),
                          self._put(plan.keep), self._put(plan.tokens), self._put(plan.positions),
-                         self._put(plan.suffix_mask), np.int32(plan.cursor), np.int32(n), key,
-                         knobs, mode=mode)
+                         self._put(plan.suffix_mask), np.int32(plan.cursor),
+                         self._put(plan.expand), np.int32(n), key, knobs, mode=mode)
     del kept  # the gathered rows are all this call needs
 
     stopped = np.zeros(bb, bool)
@@ -665,7 +724,8 @@ class Sampler:
         (loop.tokens, loop.logprobs, loop.policy_logprobs, loop.lengths, loop.step))
     out = SampleOutput(tokens=[], logprobs=[], policy_logprobs=[],
                        texts=[] if decode_fn is not None else None, finish_reasons=[],
-                       num_steps=int(steps), reused_tokens=plan.reused)
+                       num_steps=int(steps), reused_tokens=plan.reused,
+                       prefilled_tokens=plan.prefilled)
     eos = np.asarray(self.eos_token_ids)
     for i in range(n):
       m = int(lengths[i])
@@ -691,10 +751,11 @@ class Sampler:
     returned response (a stop-string cut, a finished row) are not kept."""
     n = len(prompts)
     start = plan.cursor + plan.tokens.shape[1] - 1  # slot of decode step 0
-    slots = plan.keep[:n].copy()
+    source = np.arange(n) if plan.expand is None else plan.expand[:n]  # each row's plan row
+    slots = plan.keep[source].copy()
     seqs = []
     for i in range(n):
-      suffix_len = int(plan.suffix_mask[i].sum())
+      suffix_len = int(plan.suffix_mask[source[i]].sum())
       slots[i, start + 1 - suffix_len:start + len(responses[i])] = True
       seqs.append(np.concatenate([np.asarray(prompts[i], np.int32), responses[i]])[:-1])
     return _Kept(cache=cache, cursor=start + steps, seqs=seqs, slots=slots)

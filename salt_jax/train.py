@@ -59,7 +59,7 @@ from salt_jax.config import TrainConfig
 from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
 from salt_jax.models.build import build_policy, build_tokenizer, load_params
 from salt_jax.rollout import SamplingParams, collect
-from salt_jax.sampling import doubling_buckets
+from salt_jax.sampling import length_buckets
 from salt_jax.sharding import DATA_AXIS, batch_sharding, make_mesh, parse_mesh_shape, replicated
 from salt_jax.update import lr_schedule, optimizer, step_advantages_program, update_programs
 
@@ -138,6 +138,8 @@ def rollout_metrics(full, batch) -> dict:
        "valid_action_ratio": rm["valid_action_ratio"], "num_trajectories": full.num_trajectories,
        "failed_trajectories": int(full.failed.sum()), "env_restarts": rm["env_restarts"],
        "response_tokens": rm["response_tokens"], "num_steps": batch.num_total_steps,
+       "prompt_tokens": rm["prompt_tokens"],
+       "prefilled_prompt_tokens": rm["prefilled_prompt_tokens"],
        "time/rollout_generate": rm["gen_time_s"], "time/rollout_env": rm["env_time_s"],
        "reward/mean": float(np.mean(full.outcome_rewards[~full.failed]))
        if (~full.failed).any() else float("nan")}
@@ -352,8 +354,9 @@ class Trainer:
     else:
       self.sampler = Sampler(self.sampler_model, eos_token_ids=stop_token_ids(self.tokenizer),
                              pad_token_id=self.pad_id, max_cache_len=cfg.max_cache_len,
-                             mesh=sampler_mesh, prompt_buckets=doubling_buckets(
-                                 cfg.prompt_bucket_min, cfg.max_cache_len))
+                             mesh=sampler_mesh, prompt_buckets=length_buckets(
+                                 cfg.prompt_bucket_min, cfg.max_cache_len,
+                                 cfg.prompt_buckets_per_doubling))
     self.embedder = None
     if cfg.salt and cfg.embedder not in (None, "none"):
       from salt_jax.embedders import SentenceEmbedder

@@ -199,7 +199,8 @@ def test_concat_rollouts_equals_one_collect_over_all_tasks():
     else:
       assert a == b, f.name
   for k in ("success_rate", "valid_action_ratio", "mean_steps", "success_rate_by_type",
-            "num_trajectories", "num_steps", "response_tokens", "num_failed"):
+            "num_trajectories", "num_steps", "response_tokens", "num_failed", "prompt_tokens",
+            "prefilled_prompt_tokens"):
     assert got.metrics[k] == whole.metrics[k], k
   assert 0 < whole.metrics["success_rate"] < 1
   assert multihost.concat_rollouts([None, whole]) is whole

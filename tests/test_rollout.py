@@ -468,4 +468,9 @@ def test_reusing_the_kv_cache_gives_the_same_rollout(model_sampler, sampling):
   assert on.metrics["reused_prompt_tokens"] == want > 0
   assert off.metrics["reused_prompt_tokens"] == 0
   assert on.metrics["prompt_tokens"] == off.metrics["prompt_tokens"]
+  # Reused tokens are not prefilled (the 4 prompts of a turn fill the sampler's smallest batch
+  # bucket, so a task's 2 equal first prompts are prefilled separately here).
+  assert off.metrics["prefilled_prompt_tokens"] == off.metrics["prompt_tokens"]
+  assert on.metrics["prefilled_prompt_tokens"] == (on.metrics["prompt_tokens"]
+                                                   - on.metrics["reused_prompt_tokens"])
   assert model_sampler._kept is None  # pylint: disable=protected-access  (freed after collect)

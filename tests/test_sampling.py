@@ -136,11 +136,21 @@ def test_both_cpu_decode_paths_match_the_full_forward(setup, impl):
     np.testing.assert_allclose(plp, steps[np.arange(len(toks)), toks], atol=1e-5)
 
 
-def test_doubling_buckets():
-  assert sampling.doubling_buckets(16, 128) == [16, 32, 64, 128]
-  assert sampling.doubling_buckets(16, 127) == [16, 32, 64]
-  assert sampling.doubling_buckets(16, 8) == [16]  # the shortest even past the longest
-  assert sampling.doubling_buckets(3, 3) == [3]
+def test_length_buckets():
+  assert sampling.length_buckets(16, 128) == [16, 32, 64, 128]  # one a doubling: powers of two
+  assert sampling.length_buckets(16, 127) == [16, 32, 64]
+  assert sampling.length_buckets(16, 8) == [16]  # the shortest even past the longest
+  assert sampling.length_buckets(3, 3) == [3]
+  assert sampling.length_buckets(128, 512, 4) == [128, 160, 192, 224, 256, 320, 384, 448, 512]
+  fine = sampling.length_buckets(128, 2560, 8)
+  assert fine[:3] == [128, 144, 160] and fine[-3:] == [2048, 2304, 2560]
+  assert len(fine) == 35  # 8 a doubling: bounded by 8 * log2(2560 / 128) + 1
+  for n in range(129, 2561):  # every length past the shortest is padded by at most 12.5%
+    assert sampling._bucket(n, fine) <= n * 1.125, n
+  assert all(b % 8 == 0 for b in fine)
+  for bad in ((0, 64, 1), (16, 64, 0)):
+    with pytest.raises(ValueError, match="length_buckets"):
+      sampling.length_buckets(*bad)
 
 
 def test_eos_stops_the_row_and_the_loop_exits_early(setup):
@@ -477,7 +487,7 @@ def test_continuing_on_a_mesh(setup, reuse_sampler):
 def test_cache_buckets_default_and_bad():
   model = _model()
   s = Sampler(model, eos_token_ids=[1], pad_token_id=PAD, max_cache_len=1000)
-  assert s.cache_buckets == (128, 256, 512, 1000)
+  assert s.cache_buckets == (128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1000)
   small = Sampler(model, eos_token_ids=[1], pad_token_id=PAD, max_cache_len=64)
   assert small.cache_buckets == (64,)
   with pytest.raises(ValueError, match="cache_buckets"):
@@ -497,3 +507,88 @@ def test_argmax_matches_numpy_with_ties_infinities_and_nan():
   got = np.asarray(jax.jit(sampling._argmax)(x))  # pylint: disable=protected-access
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+# ------------------------------------------------------------------ prompts prefilled once
+
+PROMPT_B, PROMPT_C = [11, 90], [7, 7, 30, 44, 81]
+SHARE_CASES = {
+    "one group": [PROMPT_A] * 8,
+    "partly shared": [PROMPT_A, PROMPT_A, PROMPT_B, PROMPT_A, PROMPT_C, PROMPT_B, PROMPT_A,
+                      PROMPT_A],
+    "distinct": [[i + 1, (7 * i) % 90 + 2, 40 + i] for i in range(8)],
+}
+
+
+def _pair(model, eos, **kw):
+  """The same sampler with and without prompt sharing (batch buckets small enough that a call's
+  distinct prompts fit a smaller one)."""
+  kw = dict(eos_token_ids=[eos], pad_token_id=PAD, batch_buckets=(1, 2, 4, 8), **kw)
+  return Sampler(model, **kw), Sampler(model, share_prompts=False, **kw)
+
+
+@pytest.mark.parametrize("case", list(SHARE_CASES))
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prompts_sample_what_separate_prefills_do(setup, case, greedy):
+  """Repeated prompts of one call are prefilled once; every row still draws with its own key,
+  so tokens and both log-probs equal those of one prefill a row."""
+  model, _, _, eos, _ = setup
+  shared, separate = _pair(model, eos, max_cache_len=CACHE, prompt_buckets=(8,))
+  prompts = SHARE_CASES[case]
+  kw = dict(max_new_tokens=MAX_NEW, greedy=greedy, temperature=1.0)
+  got = shared(prompts, jax.random.key(3), **kw)
+  want = separate(prompts, jax.random.key(3), **kw)
+  _assert_same(got, want)
+  for g, w in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+  distinct = {tuple(p) for p in prompts}
+  assert got.prefilled_tokens == sum(len(p) for p in distinct)
+  assert want.prefilled_tokens == sum(len(p) for p in prompts)
+  if case == "one group" and not greedy:  # shared prefill, yet the rows' draws differ
+    assert len({tuple(t.tolist()) for t in got.tokens}) > 1
+
+
+def test_shared_prompts_continue_a_kept_cache(setup):
+  """A group's identical first prompts, kept, then continued by turns in which pairs of rows
+  repeat each other (the same response and the same new turn) and then part; each turn equals
+  separate prefills, and each row keeps its own cache."""
+  model, _, _, eos, _ = setup
+  shared, separate = _pair(model, eos, max_cache_len=REUSE_CACHE,
+                           prompt_buckets=(SUFFIX_BUCKET, FULL_BUCKET))
+  kw = dict(max_new_tokens=TURN_MAX_NEW, greedy=True, keep_cache=True)
+  turn, rows = [PROMPTS[2]] * 4, None
+  for extras in ([[3, 4], [3, 4], [9], [9]], [[5], [5], [6, 7], [6, 7]], [[1], [2], [3], [3]],
+                 None):
+    got = shared(turn, jax.random.key(0), continue_rows=rows, **kw)
+    want = separate(turn, jax.random.key(0), continue_rows=rows, **kw)
+    _assert_same(got, want)
+    if len({tuple(p) for p in turn}) <= 2:  # a smaller batch bucket: each pair prefilled once
+      assert got.prefilled_tokens < want.prefilled_tokens
+      assert got.reused_tokens < want.reused_tokens or rows is None
+    if extras is not None:
+      turn, rows = _grow(turn, got, extras), [0, 1, 2, 3]
+  assert got.reused_tokens > 0 and got.prefilled_tokens == want.prefilled_tokens
+
+
+def test_shared_prompts_on_a_mesh(setup):
+  model, sampler, _, eos, _ = setup
+  prompts = SHARE_CASES["partly shared"]
+  want = sampler(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
+  sharded = Sampler(shard_model(_model(), make_mesh("4x2")), eos_token_ids=[eos],
+                    pad_token_id=PAD, max_cache_len=CACHE, prompt_buckets=(8,),
+                    batch_buckets=(4,))
+  got = sharded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
+  _assert_same(got, want)
+  assert got.prefilled_tokens == sum(len(p) for p in {tuple(p) for p in prompts})
+
+
+def test_decode_compiles_once_for_every_prompt_bucket(setup):
+  """The decode program's shapes hold no prompt length: a new prompt bucket compiles a prefill
+  only."""
+  model, _, _, eos, _ = setup
+  s = Sampler(model, eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=CACHE,
+              prompt_buckets=(8, 16), batch_buckets=(4,), cache_buckets=(CACHE,))
+  s([[1, 2, 3]], jax.random.key(0), max_new_tokens=4, greedy=True)
+  traced = s.num_traces
+  s([list(range(1, 13))], jax.random.key(0), max_new_tokens=4, greedy=True)
+  assert s.num_traces == traced + 1

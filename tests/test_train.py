@@ -64,7 +64,7 @@ BASE = TrainConfig(env="toy", env_kwargs=ENV_KW, tokenizer="toy", group_size=4, 
 REQUIRED = [
     "iteration", "success_rate", "episode_length", "valid_action_ratio", "merge_rate",
     "cross_prompt_merges", "merged_steps", "gradient_changing_merges", "gradient_changing_share",
-    "response_differing_merges",
+    "response_differing_merges", "prompt_tokens", "prefilled_prompt_tokens",
     "adv_before/mean", "adv_before/std", "adv_before/abs_mean",
     "adv_after/mean", "adv_after/std", "adv_after/abs_mean", "adv_frac_changed", "kl",
     "clip_fraction", "entropy", "loss", "grad_norm", "lr", "skipped_groups", "invalid_rewards",
@@ -133,6 +133,8 @@ def test_metrics_written_with_all_keys(run_a):
     assert math.isfinite(r["loss"]) and math.isfinite(r["kl"]) and r["lr"] == cfg.lr
     assert 0.0 <= r["merge_rate"] < 1.0 and 0.0 <= r["valid_action_ratio"] <= 1.0
     assert 0 <= r["response_differing_merges"] <= r["merged_steps"]
+    # A group's G copies of each task's first prompt are prefilled once.
+    assert 0 < r["prefilled_prompt_tokens"] < r["prompt_tokens"]
   assert logged == [json.loads(json.dumps(r)) for r in rows]
   assert rows[2]["kl"] > 0.0  # the policy has moved off its reference
   # TensorBoard, as its own reader sees it: every scalar once at its step, and the histograms of

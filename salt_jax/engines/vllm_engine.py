@@ -247,6 +247,7 @@ class VLLMEngine:
         out.texts.append(decode_fn(toks.tolist()))
       reused += int(getattr(res, "num_cached_tokens", 0) or 0)
     out.num_steps, out.reused_tokens = steps, reused
+    out.prefilled_tokens = sum(len(p) for p in prompts) - reused
     return out
 
   def close(self) -> None:

