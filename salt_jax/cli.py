@@ -91,7 +91,8 @@ def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax traini
                  f"{', '.join(sorted(RECIPES))} (flags given win)")
   g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                  help="salt_jax's log: info = each phase, debug = each rollout turn and "
-                 "mini-batch too (default: $SALT_JAX_LOG_LEVEL, else info)")
+                 "mini-batch too (default: $SALT_JAX_LOG_LEVEL, else warning: one line an "
+                 "iteration)")
   g.add_argument("--sft-warmstart", action="store_true",
                  help="behaviour-clone the env's expert into the policy first")
   for name in ("sft_steps", "sft_demos"):
@@ -220,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
   from salt_jax import runlock
   from salt_jax import sft
   from salt_jax.train import Trainer
-  log.configure(getattr(args, "log_level", None))
+  # The console holds one line an iteration; each phase's INFO lines with --log-level info.
+  log.configure(getattr(args, "log_level", None) or os.environ.get(log.ENV_VAR) or "warning")
 
   def trainer_or_exit(c):
     try:  # Trainer validates the config first (now that it lists tasks and reads config.json)
@@ -245,8 +247,28 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
           f"{cfg.mesh}, algo {cfg.algo}, SALT {'on' if cfg.salt else 'off'}, out {cfg.out}",
           flush=True)
     trainer.run()
-  print(f"[salt-jax] metrics: {os.path.join(cfg.out, 'metrics.jsonl')}", flush=True)
+    if trainer.process_index == 0:
+      report(cfg.out)
   return 0
+
+
+def report(out: str) -> None:
+  """The end of a run on the console: its success at the start and at the end, its time, and
+  where its metrics and curves are (`<out>/curves.png`, drawn by `salt_jax.plot`)."""
+  # pylint: disable=import-outside-toplevel
+  from salt_jax import metrics as metrics_lib
+  from salt_jax import plot
+  path = os.path.join(out, plot.METRICS_FILE)
+  rows = metrics_lib.read_jsonl(path) if os.path.isfile(path) else []
+  for line in metrics_lib.run_summary(rows):
+    print(f"[salt-jax] {line}", flush=True)
+  curves = os.path.join(out, plot.CURVES_FILE)
+  try:
+    plot.plot_runs({os.path.basename(os.path.normpath(out)): rows}, curves)
+    drawn = f", curves {curves}"
+  except ImportError:
+    drawn = " (no curves: `pip install matplotlib`, then `python -m salt_jax.plot RUN`)"
+  print(f"[salt-jax] metrics {path}{drawn}", flush=True)
 
 
 def console_main() -> int:

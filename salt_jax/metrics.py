@@ -251,6 +251,54 @@ class MetricsLogger:
       self._tracker.close()
 
 
+def iteration_line(iteration: int, total: int, row: Mapping[str, Any]) -> str:
+  """One iteration as one line: success, valid actions, SALT's merges (and the share that
+  changes the gradient), loss (- when no update ran) and the iteration's seconds."""
+  def f(k, fmt="{:.2f}"):
+    v = row.get(k)
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
+  width = len(str(total))
+  return (f"iter {iteration + 1:>{width}}/{total}  success {f('success_rate')}  "
+          f"valid {f('valid_action_ratio')}  merges {f('merge_rate')} "
+          f"(gradient-changing {f('gradient_changing_share')})  loss {f('loss', '{:.4f}')}  "
+          f"{f('time/iteration', '{:.1f}s')}")
+
+
+def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
+  """The Wilson score interval of a success rate (95% at z = 1.96); (nan, nan) when n = 0."""
+  if n <= 0:
+    return float("nan"), float("nan")
+  p = successes / n
+  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def run_summary(rows, *, window: int = 5) -> list[str]:
+  """What a finished run did, for the console: training success over its first and its last
+  `window` iterations (pooled over their trajectories, with a 95% Wilson interval) and the time
+  it took. `rows` are a run's metrics rows, in order."""
+  rows = [r for r in rows if isinstance(r.get("success_rate"), (int, float))]
+  if not rows:
+    return ["no iteration logged"]
+
+  def pooled(part):
+    n = sum(r.get("num_trajectories", 1) for r in part)
+    wins = sum(r["success_rate"] * r.get("num_trajectories", 1) for r in part)
+    lo, hi = wilson_interval(wins, n)
+    first, last = part[0]["iteration"] + 1, part[-1]["iteration"] + 1
+    span = f"iteration {first}" if first == last else f"iterations {first}-{last}"
+    return f"{span}: {wins / n:.2f} [{lo:.2f}, {hi:.2f}] over {int(n)} trajectories"
+
+  k = min(window, max(1, len(rows) // 2))
+  lines = [f"success, {pooled(rows[:k])}"]
+  if len(rows) > k:
+    lines.append(f"success, {pooled(rows[-k:])}")
+  seconds = sum(r.get("time/iteration", 0.0) for r in rows)
+  lines.append(f"{len(rows)} iterations in {seconds / 60:.1f} min (95% intervals)")
+  return lines
+
+
 class Progress:
   """One plain-text line per iteration (tqdm's bar when tqdm is installed and stderr is a tty)."""
 
@@ -266,14 +314,7 @@ class Progress:
     self.total = total
 
   def update(self, iteration: int, row: Mapping[str, Any]) -> None:
-    def f(k, fmt="{:.2f}"):
-      v = row.get(k)
-      return "-" if v is None else fmt.format(v)
-    times = " ".join(f"{k.split('/')[1]}={f(k, '{:.1f}s')}" for k in sorted(row)
-                     if k.startswith("time/"))
-    text = (f"iter {iteration + 1}/{self.total} success={f('success_rate')} "
-            f"valid={f('valid_action_ratio')} merge={f('merge_rate')} loss={f('loss', '{:.4f}')} "
-            f"kl={f('kl', '{:.4f}')} | {times}")
+    text = iteration_line(iteration, self.total, row)
     if self._bar is not None:
       self._bar.update(1)
       self._bar.set_postfix_str(text)

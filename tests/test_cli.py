@@ -102,13 +102,24 @@ def test_cli_imports_no_jax_and_sets_the_cpu_device_count():
   assert p.stdout.strip() == "8"
 
 
-def test_a_runs_saved_config_reruns_it(tmp_path):
+def test_a_runs_saved_config_reruns_it(tmp_path, capsys, salt_jax_logger_restored, monkeypatch):
   """One toy iteration from flags, then the same run again from its config.json: the same
-  config, and the same first iteration's rollout."""
+  config, and the same first iteration's rollout. Each run ends with its summary and curves;
+  the phases' INFO lines are left out unless asked for."""
+  monkeypatch.delenv("SALT_JAX_LOG_LEVEL", raising=False)
   first = str(tmp_path / "first")
   flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}"
            for k, v in TOY.items() if not isinstance(v, bool)]
   assert cli.main([*flags, "--no-progress", "--no-tensorboard", f"--out={first}"]) == 0
+  captured = capsys.readouterr()
+  assert " INFO " not in captured.err
+  printed = captured.out.splitlines()
+  assert printed[-3].startswith("[salt-jax] success, iteration 1: ")
+  assert printed[-2].startswith("[salt-jax] 1 iterations in ")
+  curves = os.path.join(first, "curves.png")
+  metrics = os.path.join(first, "metrics.jsonl")
+  assert printed[-1] == f"[salt-jax] metrics {metrics}, curves {curves}"
+  assert os.path.getsize(curves) > 0
   again = str(tmp_path / "again")
   assert cli.main(["--config", os.path.join(first, "config.json"), f"--out={again}"]) == 0
   cfgs = [TrainConfig.load(os.path.join(d, "config.json")) for d in (first, again)]
