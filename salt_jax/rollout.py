@@ -470,10 +470,11 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     out = sampler(prompts, sub, **kwargs)
     gen_s += time.perf_counter() - t0
     _check_output(out, len(active))
-    prompt_tokens += sum(len(p) for p in prompts)
+    turn_tokens = sum(len(p) for p in prompts)
     reused = int(getattr(out, "reused_tokens", 0))
+    prompt_tokens += turn_tokens
     reused_tokens += reused
-    prefilled_tokens += int(getattr(out, "prefilled_tokens", sum(len(p) for p in prompts) - reused))
+    prefilled_tokens += int(getattr(out, "prefilled_tokens", turn_tokens - reused))
     texts = out.texts if out.texts is not None else [
         tokenizer.decode([int(t) for t in toks]) for toks in out.tokens]
     parsed = [parse_action(texts[j], admissible[i]) for j, i in enumerate(active)]

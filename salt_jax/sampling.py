@@ -600,16 +600,18 @@ class Sampler:
             max_new_tokens: int) -> _Plan:
     """The call's plan: prefill each distinct prompt once (continuing its kept row where it
     can), then copy its row to every prompt that repeats it (`expand`)."""
-    first, expand = {}, np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
-    for i, p in enumerate(prompts):
-      expand[i] = first.setdefault(tuple(p) if self.share_prompts else i, len(first))
-    order = [None] * len(first)
-    for i in range(len(prompts) - 1, -1, -1):
-      order[expand[i]] = i  # each distinct prompt's first occurrence
+    index, order = {}, []  # distinct prompt -> its plan row; each one's first occurrence
+    expand = np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
+    for i, p in enumerate(prompts if self.share_prompts else ()):
+      if tuple(p) not in index:
+        index[tuple(p)] = len(order)
+        order.append(i)
+      expand[i] = index[tuple(p)]
     distinct = [prompts[i] for i in order]
-    bu = self._pad_batch(len(distinct))
-    if bu == bb:  # no smaller batch to prefill: one program shape fewer without the copy
+    if not self.share_prompts or self._pad_batch(len(distinct)) == bb:
+      # nothing shared, or no smaller batch to prefill: one program shape fewer without the copy
       distinct, order, expand = list(prompts), list(range(len(prompts))), None
+    bu = self._pad_batch(len(distinct))
     plan = None
     if continue_rows is not None and kept is not None:
       plan = self._plan_continuation(distinct, [continue_rows[i] for i in order], kept, bu,
