@@ -73,6 +73,8 @@ class EnvStep:
   won: the task was accomplished.
   admissible_actions: the commands the game accepts now, when the game lists them, else None.
   valid: False when the action was not understood / not admissible.
+  score: a graded task's score of the episode in [0, 1], on the step that ends it (WebShop: the
+    purchase's); None where the outcome is only won or not (the score is then `won`).
   """
 
   observation: str
@@ -81,6 +83,7 @@ class EnvStep:
   won: bool = False
   admissible_actions: Optional[tuple[str, ...]] = None
   valid: bool = True
+  score: Optional[float] = None
 
 
 class TextEnv(abc.ABC):

@@ -54,6 +54,7 @@ class PoolStep(EnvStep):
   def from_env_step(cls, s: EnvStep) -> "PoolStep":
     return cls(observation=str(s.observation), reward=float(s.reward), done=bool(s.done),
                won=bool(s.won), valid=bool(s.valid),
+               score=None if s.score is None else float(s.score),
                admissible_actions=None if s.admissible_actions is None else
                tuple(str(a) for a in s.admissible_actions))
 

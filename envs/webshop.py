@@ -555,12 +555,15 @@ class WebShopEnv(AdmissibleCommandEnv):
     return self._show(), score == 1.0, True
 
   def step(self, action: str) -> EnvStep:
-    """Plays one action; the reward is the purchase's ("won" or "score" mode) on the buying step."""
+    """Plays one action; on the buying step the reward is the purchase's ("won" or "score" mode)
+    and `score` its score either way."""
     out = super().step(action)
     bought = out.valid and self.session.page == "done"  # only buying reaches the done page
-    if self.reward_mode == "score" and bought:
-      return dataclasses.replace(out, reward=float(self.last_score))
-    return out
+    if not bought:
+      return out
+    score = float(self.last_score)
+    return dataclasses.replace(out, score=score,
+                               reward=score if self.reward_mode == "score" else out.reward)
 
   def expert_action(self) -> Optional[str]:
     """A scripted shopper's next action from the current page (None once the episode is over):

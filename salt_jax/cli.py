@@ -12,9 +12,14 @@ defaults, `--recipe` (`salt_jax.recipes`), `--config` (a JSON file as a run writ
 `<out>/config.json`), then the flags given. Without `--out` a run gets a new timestamped folder
 under the script's runs folder (with `--resume`, the newest one there).
 
-Besides the config: `--log-level`, and `--sft-warmstart` (with `--sft-steps`, `--sft-demos`,
+Besides the config: `--log-level`; `--sft-warmstart` (with `--sft-steps`, `--sft-demos`,
 `--sft-reasoning`), which behaviour-clones the environment's expert into the policy before RL
-(`salt_jax.sft.warm_start`).
+(`salt_jax.sft.warm_start`); and `--eval-only`, which evaluates the policy and trains nothing.
+
+Evaluation follows the paper: with `--eval-every N` every N-th iteration plays `--num-eval-tasks`
+tasks of each eval split greedily; the run's end prints, and writes to `<out>/eval_summary.json`,
+each split's success (overall and per task type), score and valid actions averaged over its last
+five evaluations.
 
 This module imports no jax at module level, and sets jax's CPU device count (`use_cpu_devices`)
 before any backend starts, so a `--mesh` larger than a CPU machine is simulated.
@@ -35,6 +40,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from salt_jax.agent.reasoning import REASONERS
 from salt_jax.config import RENAMED_FIELDS, SECTIONS, TrainConfig
 from salt_jax.recipes import RECIPES
+
+# A run's evaluation by the paper's protocol (`metrics.eval_summary`), written by `report`; and
+# the same for the one evaluation of --eval-only.
+EVAL_SUMMARY_FILE = "eval_summary.json"
+EVAL_ONLY_FILE = "eval_only.json"
 
 # Flags that are not config fields, and their defaults (a script may override them).
 SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32, sft_reasoning="none")
@@ -93,6 +103,10 @@ def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax traini
                  help="salt_jax's log: info = each phase, debug = each rollout turn and "
                  "mini-batch too (default: $SALT_JAX_LOG_LEVEL, else warning: one line an "
                  "iteration)")
+  g.add_argument("--eval-only", action="store_true",
+                 help="evaluate the policy (the model as given, or with --resume the run's last "
+                 "checkpoint) greedily on the eval splits and stop: no training. Writes "
+                 f"<out>/{EVAL_ONLY_FILE}")
   g.add_argument("--sft-warmstart", action="store_true",
                  help="behaviour-clone the env's expert into the policy first")
   for name in ("sft_steps", "sft_demos"):
@@ -173,6 +187,7 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
   for name, default in SCRIPT_DEFAULTS.items():
     given.setdefault(name, defaults.get(name, default))
   given.setdefault("sft_warmstart", False)
+  given.setdefault("eval_only", False)
   for name in ("sft_steps", "sft_demos"):
     if given[name] < 1:
       raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {given[name]}")
@@ -243,6 +258,11 @@ def main(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (),
       trainer = trainer_or_exit(dataclasses.replace(cfg, init_params=path))
   with trainer:
     trainer.setup()
+    if args.eval_only:
+      row = {"iteration": trainer.iteration_index - 1, **trainer.evaluate()}
+      if trainer.process_index == 0:
+        report_eval([row], os.path.join(cfg.out, EVAL_ONLY_FILE))
+      return 0
     print(f"[salt-jax] {cfg.env}: {len(trainer.task_sampler.tasks)} training tasks, mesh "
           f"{cfg.mesh}, algo {cfg.algo}, SALT {'on' if cfg.salt else 'off'}, out {cfg.out}",
           flush=True)
@@ -262,6 +282,7 @@ def report(out: str) -> None:
   rows = metrics_lib.read_jsonl(path) if os.path.isfile(path) else []
   for line in metrics_lib.run_summary(rows):
     print(f"[salt-jax] {line}", flush=True)
+  report_eval(rows, os.path.join(out, EVAL_SUMMARY_FILE))
   curves = os.path.join(out, plot.CURVES_FILE)
   try:
     plot.plot_runs({os.path.basename(os.path.normpath(out)): rows}, curves)
@@ -269,6 +290,19 @@ def report(out: str) -> None:
   except ImportError:
     drawn = " (no curves: `pip install matplotlib`, then `python -m salt_jax.plot RUN`)"
   print(f"[salt-jax] metrics {path}{drawn}", flush=True)
+
+
+def report_eval(rows, path: str, *, last: int = 5) -> None:
+  """Prints the evaluations in `rows` by the paper's protocol (each split's last `last` averaged:
+  `metrics.eval_summary`) and writes them to `path`; nothing when no row holds one."""
+  from salt_jax import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  summary = metrics_lib.eval_summary(rows, last=last)
+  if not summary:
+    return
+  for line in metrics_lib.eval_summary_lines(summary):
+    print(f"[salt-jax] {line}", flush=True)
+  metrics_lib.write_json(path, summary)
+  print(f"[salt-jax] evaluation {path}", flush=True)
 
 
 def console_main() -> int:

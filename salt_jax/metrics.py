@@ -94,9 +94,22 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict:
 def _jsonable(v):
   if isinstance(v, float) and not math.isfinite(v):
     return None  # JSON has no NaN; null reads as "not defined this iteration"
+  if isinstance(v, Mapping):
+    return {k: _jsonable(x) for k, x in v.items()}
+  if isinstance(v, (list, tuple)):
+    return [_jsonable(x) for x in v]
   if hasattr(v, "item"):
     return _jsonable(v.item())
   return v
+
+
+def write_json(path: str, obj) -> None:
+  """`obj` as indented JSON in `path` (non-finite floats as null), written beside it first and
+  renamed."""
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(_jsonable(obj), f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -296,6 +309,54 @@ def run_summary(rows, *, window: int = 5) -> list[str]:
     lines.append(f"success, {pooled(rows[-k:])}")
   seconds = sum(r.get("time/iteration", 0.0) for r in rows)
   lines.append(f"{len(rows)} iterations in {seconds / 60:.1f} min (95% intervals)")
+  return lines
+
+
+def eval_summary(rows, *, last: int = 5) -> dict:
+  """The paper's evaluation of a run: each split's greedy evaluation (`--eval-every`) averaged
+  over its last `last` evaluations (success overall and per task type, score, valid actions).
+
+  Returns {split: {"after_iterations": [...], "num_tasks", "success_rate", "score",
+  "valid_action_ratio", "success_rate_by_type": {type: rate}}}; a split never evaluated is
+  absent. A per-type rate averages the evaluations that played that type (NaN if none did).
+  """
+  if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+    raise ValueError(f"last must be a positive int, got {last!r}")
+  splits = sorted({k[len("eval/"):-len("/success_rate")] for r in rows for k in r
+                   if k.startswith("eval/") and k.endswith("/success_rate")
+                   and k.count("/") == 2})
+  out = {}
+  for split in splits:
+    pre = f"eval/{split}/"
+    evals = [r for r in rows if isinstance(r.get(pre + "success_rate"), (int, float))][-last:]
+    types = sorted({k[len(pre + "success_rate/"):] for r in evals for k in r
+                    if k.startswith(pre + "success_rate/")})
+
+    def mean(key, part=evals):
+      vals = [float(r[key]) for r in part if isinstance(r.get(key), (int, float))]
+      vals = [v for v in vals if math.isfinite(v)]
+      return sum(vals) / len(vals) if vals else float("nan")
+
+    out[split] = {
+        "after_iterations": [int(r["iteration"]) + 1 for r in evals],
+        "num_tasks": int(evals[-1].get(pre + "num_tasks", 0)),
+        "success_rate": mean(pre + "success_rate"), "score": mean(pre + "score"),
+        "valid_action_ratio": mean(pre + "valid_action_ratio"),
+        "success_rate_by_type": {t: mean(pre + "success_rate/" + t) for t in types}}
+  return out
+
+
+def eval_summary_lines(summary: Mapping[str, Any]) -> list[str]:
+  """`eval_summary`'s result as console lines, one per split."""
+  lines = []
+  for split, e in summary.items():
+    n, after = len(e["after_iterations"]), e["after_iterations"]
+    when = (f"after {after[0]} iterations" if n == 1 else f"mean of the last {n} evaluations, "
+            f"after iterations {', '.join(map(str, after))}")
+    types = ", ".join(f"{t} {v:.2f}" for t, v in e["success_rate_by_type"].items())
+    lines.append(f"eval {split} ({when}, {e['num_tasks']} tasks, greedy): success "
+                 f"{e['success_rate']:.2f}" + (f" ({types})" if types else "")
+                 + f", score {e['score']:.2f}, valid {e['valid_action_ratio']:.2f}")
   return lines
 
 

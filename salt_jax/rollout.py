@@ -117,7 +117,8 @@ class RolloutBatch:
     step_rewards: f32 environment reward; step_dones: bool; step_valid: bool.
     parse_reasons, finish_reasons: parser verdict ("ok", "missing_tags", ...) and sampler's.
   Per trajectory ([T]):
-    traj_group_ids, task_ids, task_types, success, failed, errors (why failed), truncated (ended
+    traj_group_ids, task_ids, task_types, success, scores (a graded task's score in [0, 1],
+    WebShop's; else 1.0 won, 0.0 not), failed, errors (why failed), truncated (ended
     by max_steps or the prompt budget, not by the environment), num_steps, num_invalid, returns
     (sum of env rewards), outcome_rewards (returns - penalty * num_invalid; 0 when failed),
     first_observations.
@@ -148,6 +149,7 @@ class RolloutBatch:
   task_ids: list = _per_trajectory()
   task_types: list = _per_trajectory()
   success: np.ndarray = _per_trajectory()
+  scores: np.ndarray = _per_trajectory()
   failed: np.ndarray = _per_trajectory()
   errors: list = _per_trajectory()
   truncated: np.ndarray = _per_trajectory()
@@ -491,7 +493,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
           old_logprobs=np.asarray(out.policy_logprobs[j], np.float32),
           sample_logprobs=np.asarray(out.logprobs[j], np.float32), action=p.action,
           response=texts[j], observation=r.observation, reward=float(r.reward), done=r.done,
-          won=r.won, parse_reason=p.reason,
+          won=r.won, score=r.score, parse_reason=p.reason,
           valid=(p.reason in _FORMAT_OK) if invalid_step == "format" else (p.valid and r.valid),
           finish_reason=str(out.finish_reasons[j])))
       done[i] = r.done
@@ -513,6 +515,9 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
   num_invalid = np.array([sum(not s["valid"] for s in traj) for traj in steps], np.int32)
   returns = np.array([sum(s["reward"] for s in traj) for traj in steps], np.float32)
   success = np.array([any(s["won"] for s in traj) for traj in steps], bool) & ~failed
+  # A graded task's score is its last graded step's; a pass/fail task scores whether it was won.
+  scores = np.array([next((s["score"] for s in reversed(traj) if s["score"] is not None), won)
+                     for traj, won in zip(steps, success)], np.float32)
   outcome = np.where(failed, 0.0, returns - invalid_action_penalty * num_invalid).astype(np.float32)
   group_of = np.arange(n_traj, dtype=np.int32) // group_size
   total_s = time.perf_counter() - t_start
@@ -534,7 +539,7 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       step_rewards=np.array(col("reward"), np.float32), step_dones=np.array(col("done"), bool),
       step_valid=valid, parse_reasons=col("parse_reason"), finish_reasons=col("finish_reason"),
       traj_group_ids=group_of, task_ids=[t.task_id for t in traj_task],
-      task_types=[t.task_type for t in traj_task], success=success, failed=failed,
+      task_types=[t.task_type for t in traj_task], success=success, scores=scores, failed=failed,
       errors=errors, truncated=truncated & ~failed, num_steps=num_steps, num_invalid=num_invalid,
       returns=returns, outcome_rewards=outcome, first_observations=first_obs,
       num_groups=len(tasks), invalid_action_penalty=float(invalid_action_penalty),
@@ -544,14 +549,15 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
 
 
 def outcome_rates(batch: RolloutBatch) -> dict:
-  """Success rate (overall and per task type), valid-action ratio and mean episode length over
-  the batch's trajectories that did not fail (NaN where none is left)."""
+  """Success rate (overall and per task type), mean score, valid-action ratio and mean episode
+  length over the batch's trajectories that did not fail (NaN where none is left)."""
   ok = ~batch.failed
   ok_steps = ok[batch.step_traj_ids]
   nan = float("nan")
   types = np.array(batch.task_types)
   return dict(
       success_rate=float(batch.success[ok].mean()) if ok.any() else nan,
+      score=float(batch.scores[ok].mean()) if ok.any() else nan,
       valid_action_ratio=float(batch.step_valid[ok_steps].mean()) if ok_steps.any() else nan,
       mean_steps=float(batch.num_steps[ok].mean()) if ok.any() else nan,
       success_rate_by_type={

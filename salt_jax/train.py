@@ -134,7 +134,8 @@ def skipped_groups(step_adv: np.ndarray, step_group_ids: np.ndarray) -> int:
 def rollout_metrics(full, batch) -> dict:
   """The rollout's metrics: `full` as played, `batch` its trainable part (failed ones out)."""
   rm = full.metrics
-  m = {"success_rate": rm["success_rate"], "episode_length": rm["mean_steps"],
+  m = {"success_rate": rm["success_rate"], "score": rm["score"],
+       "episode_length": rm["mean_steps"],
        "valid_action_ratio": rm["valid_action_ratio"], "num_trajectories": full.num_trajectories,
        "failed_trajectories": int(full.failed.sum()), "env_restarts": rm["env_restarts"],
        "response_tokens": rm["response_tokens"], "num_steps": batch.num_total_steps,
@@ -668,6 +669,8 @@ class Trainer:
         continue
       b = self.collect_rollout(tasks, key, seed=0, group_size=1, greedy=True)
       out[f"eval/{split}/success_rate"] = b.metrics["success_rate"]
+      out[f"eval/{split}/score"] = b.metrics["score"]
+      out[f"eval/{split}/num_tasks"] = len(tasks)
       out[f"eval/{split}/valid_action_ratio"] = b.metrics["valid_action_ratio"]
       for tt, v in b.metrics["success_rate_by_type"].items():
         out[f"eval/{split}/success_rate/{tt}"] = v

@@ -163,3 +163,47 @@ def test_parse_overrides_reads_literals_and_refuses_what_is_not_an_override():
     parse_overrides(["lr"])
   with pytest.raises(ValueError, match="not a TrainConfig field"):
     parse_overrides(["learning_rate=1e-3"])
+
+
+def test_eval_every_and_eval_only(tmp_path, capsys, salt_jax_logger_restored, monkeypatch):
+  """A toy run that evaluates every iteration ends with each split's evaluation by the paper's
+  protocol (its last evaluations averaged) in <out>/eval_summary.json; --eval-only on its last
+  checkpoint reproduces the last evaluation exactly and trains nothing, and --eval-only on the
+  untrained policy evaluates it after 0 iterations, leaving no checkpoint behind."""
+  monkeypatch.delenv("SALT_JAX_LOG_LEVEL", raising=False)
+  run = str(tmp_path / "run")
+  flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}"
+           for k, v in TOY.items() if not isinstance(v, bool)]
+  flags += ["--no-progress", "--no-tensorboard", "--eval-every=1", "--num-eval-tasks=4"]
+  assert cli.main([*flags, "--iters=2", f"--out={run}"]) == 0
+  printed = capsys.readouterr().out.splitlines()
+  evals = [line for line in printed if line.startswith("[salt-jax] eval eval (")]
+  assert len(evals) == 1 and evals[0].startswith(
+      "[salt-jax] eval eval (mean of the last 2 evaluations, after iterations 1, 2, 4 tasks, "
+      "greedy): success ")
+  with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  with open(os.path.join(run, cli.EVAL_SUMMARY_FILE), encoding="utf-8") as f:
+    summary = json.load(f)["eval"]
+  assert summary["after_iterations"] == [1, 2] and summary["num_tasks"] == 4
+  assert summary["success_rate"] == pytest.approx(
+      (rows[0]["eval/eval/success_rate"] + rows[1]["eval/eval/success_rate"]) / 2)
+  assert set(summary["success_rate_by_type"]) == {"walk", "key-door"}
+
+  assert cli.main([*flags, "--iters=2", f"--out={run}", "--resume", "--eval-only"]) == 0
+  with open(os.path.join(run, cli.EVAL_ONLY_FILE), encoding="utf-8") as f:
+    again = json.load(f)["eval"]
+  assert again["after_iterations"] == [2]
+  for key in ("success_rate", "score", "valid_action_ratio"):
+    assert again[key] == rows[1][f"eval/eval/{key}"], key
+  with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+    assert [json.loads(line) for line in f] == rows  # nothing trained or logged
+
+  fresh = str(tmp_path / "fresh")
+  assert cli.main([*flags, f"--out={fresh}", "--eval-only"]) == 0
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[-2].startswith("[salt-jax] eval eval (after 0 iterations, 4 tasks, greedy)")
+  with open(os.path.join(fresh, cli.EVAL_ONLY_FILE), encoding="utf-8") as f:
+    assert json.load(f)["eval"]["after_iterations"] == [0]
+  assert not os.path.exists(os.path.join(fresh, "checkpoints")) or not os.listdir(
+      os.path.join(fresh, "checkpoints"))

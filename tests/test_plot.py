@@ -94,3 +94,73 @@ def test_bad_runs_are_one_line_errors(tmp_path):
   (bad / "metrics.jsonl").write_text("{not json\n")
   with pytest.raises(SystemExit, match="error: "):
     plot.main([str(bad), "--out", str(tmp_path / "x.png")])
+
+
+def _eval_rows(rng, n_iters=23, every=2):
+  """Training rows with evaluations every `every` iterations on two splits; some per-type rates
+  undefined (NaN in memory, null once read back from metrics.jsonl)."""
+  rows = []
+  for i in range(n_iters):
+    r = {"iteration": i, "success_rate": float(rng.uniform())}
+    if (i + 1) % every == 0:
+      for split in ("valid_seen", "valid_unseen"):
+        pre = f"eval/{split}/"
+        r.update({pre + "success_rate": float(rng.uniform()), pre + "score": float(rng.uniform()),
+                  pre + "valid_action_ratio": float(rng.uniform()), pre + "num_tasks": 12,
+                  pre + "success_rate/pick": float(rng.uniform()),
+                  pre + "success_rate/heat": float("nan") if i % 3 else None})
+    rows.append(r)
+  return rows
+
+
+def test_eval_summary_averages_each_splits_last_five_evaluations():
+  rows = _eval_rows(np.random.default_rng(0))
+  summary = metrics_lib.eval_summary(rows)
+  assert sorted(summary) == ["valid_seen", "valid_unseen"]
+  evals = [r for r in rows if "eval/valid_seen/success_rate" in r]
+  last = evals[-5:]
+  for split, got in summary.items():
+    pre = f"eval/{split}/"
+    assert got["after_iterations"] == [r["iteration"] + 1 for r in last] == [14, 16, 18, 20, 22]
+    assert got["num_tasks"] == 12
+    for key in ("success_rate", "score", "valid_action_ratio"):
+      np.testing.assert_allclose(got[key], np.mean([r[pre + key] for r in last]), rtol=1e-12)
+    np.testing.assert_allclose(got["success_rate_by_type"]["pick"],
+                               np.mean([r[pre + "success_rate/pick"] for r in last]), rtol=1e-12)
+    assert math.isnan(got["success_rate_by_type"]["heat"])  # no evaluation played it
+  # Fewer evaluations than the window: all of them; last=1: the newest alone.
+  two = metrics_lib.eval_summary(rows[:4])["valid_seen"]
+  assert two["after_iterations"] == [2, 4]
+  np.testing.assert_allclose(two["success_rate"], np.mean(
+      [rows[1]["eval/valid_seen/success_rate"], rows[3]["eval/valid_seen/success_rate"]]))
+  one = metrics_lib.eval_summary(rows, last=1)["valid_unseen"]
+  assert one["success_rate"] == rows[21]["eval/valid_unseen/success_rate"]
+  # As read back from metrics.jsonl (NaN written as null): the same summary.
+  logged = [json.loads(json.dumps({k: metrics_lib._jsonable(v) for k, v in r.items()}))
+            for r in rows]  # pylint: disable=protected-access
+  again = metrics_lib.eval_summary(logged)
+  assert json.dumps(metrics_lib._jsonable(again)) == json.dumps(  # pylint: disable=protected-access
+      metrics_lib._jsonable(summary))  # pylint: disable=protected-access
+
+
+def test_eval_summary_lines_and_bad_inputs(tmp_path):
+  assert metrics_lib.eval_summary(_rows(SUCCESS)) == {}  # a run that never evaluated
+  assert metrics_lib.eval_summary([]) == {}
+  for bad in (0, -1, 2.5, True, None):
+    with pytest.raises(ValueError, match="last must be a positive int"):
+      metrics_lib.eval_summary([], last=bad)
+  rows = _eval_rows(np.random.default_rng(1))
+  summary = metrics_lib.eval_summary(rows)
+  lines = metrics_lib.eval_summary_lines(summary)
+  assert len(lines) == 2 and lines[0].startswith(
+      "eval valid_seen (mean of the last 5 evaluations, after iterations 14, 16, 18, 20, 22, "
+      "12 tasks, greedy): success ")
+  assert "(heat nan, pick " in lines[0] and ", score " in lines[0] and ", valid " in lines[0]
+  single = metrics_lib.eval_summary_lines(metrics_lib.eval_summary(rows[:2]))
+  assert single[0].startswith("eval valid_seen (after 2 iterations, 12 tasks, greedy)")
+  path = str(tmp_path / "eval.json")
+  metrics_lib.write_json(path, summary)
+  with open(path, encoding="utf-8") as f:
+    back = json.load(f)
+  assert back["valid_seen"]["success_rate_by_type"]["heat"] is None  # JSON has no NaN
+  assert back["valid_unseen"]["after_iterations"] == [14, 16, 18, 20, 22]

@@ -87,6 +87,7 @@ def check_against_replay(b: RolloutBatch, penalty=0.1):
     if b.failed[i]:
       continue
     assert b.num_invalid[i] == n_invalid
+    assert b.scores[i] == float(out.won)  # a pass/fail task scores whether it was won
     assert b.success[i] == (len(steps) > 0 and b.step_dones[off[i + 1] - 1] and out.won)
     assert b.outcome_rewards[i] == pytest.approx(float(out.won) - penalty * n_invalid)
     assert b.truncated[i] == (not out.done)

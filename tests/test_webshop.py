@@ -332,11 +332,13 @@ def test_score_mode_and_an_imperfect_purchase(catalog):
   assert bought.done and not bought.won
   assert bought.reward == pytest.approx(env.last_score) == pytest.approx((n - len(
       goal["goal_options"])) / n)
+  assert bought.score == bought.reward
   won_env = ws.WebShopEnv()
-  won_env.reset(task)
-  won_env.step(f"search[{catalog.by_asin[goal['asin']]['Title']}]")
+  assert won_env.reset(task).score is None
+  assert won_env.step(f"search[{catalog.by_asin[goal['asin']]['Title']}]").score is None
   won_env.step(f"click[{goal['asin'].lower()}]")
-  assert won_env.step("click[buy now]").reward == 0.0
+  won_bought = won_env.step("click[buy now]")
+  assert won_bought.reward == 0.0 and won_bought.score == bought.score  # graded either way
   with pytest.raises(ValueError, match="reward"):
     ws.WebShopEnv(reward="dense")
 
@@ -483,3 +485,46 @@ def test_a_training_iteration_runs_on_webshop(tmp_path):
   assert row["iteration"] == 0 and batch.num_groups == 1 and len(batch.task_ids) == 2
   assert all(t.startswith("webshop-synth-") for t in batch.task_ids)
   assert all("Your task: " in tr.tokenizer.decode(p) for p in batch.prompt_ids)
+
+
+def test_rollout_scores_are_the_purchases(catalog):
+  """A rollout through the env pool keeps each trajectory's purchase score: an expert that
+  chooses every option (score 1.0), one that buys without choosing (a partial score), and one
+  that never buys (0.0), as replayed in a fresh env; the batch's `score` is their mean."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from envs.pool import EnvPool
+  from salt_jax.agent.prompts import env_prompt_config, toy_chat_tokenizer
+  from salt_jax.rollout import TextPolicySampler, collect
+  task, goal = _goal_task(catalog)
+  plans, env = {}, ws.WebShopEnv()
+  step = env.reset(task)
+  while not step.done:
+    plans.setdefault("expert", []).append(env.expert_action())
+    step = env.step(plans["expert"][-1])
+  plans["no options"] = [plans["expert"][0], plans["expert"][1], "click[buy now]"]
+  plans["browser"] = [plans["expert"][0]] * 3
+
+  def policy_of(plan):
+    def policy(text, rng):  # pylint: disable=unused-argument
+      k = min(text.count("</action><|im_end|>"), len(plan) - 1)  # the responses so far
+      return f"<think>step {k}</think>\n<action>{plan[k]}</action>"
+    return policy
+
+  tok = toy_chat_tokenizer()
+  scores = {}
+  for name, plan in plans.items():
+    sampler = TextPolicySampler(tok, policy_of(plan), lambda context, token: 0.0)
+    with EnvPool("webshop", {"max_steps": len(plan)}, 0) as pool:
+      b = collect(pool, [task], 2, sampler, tok, jax.random.key(0),
+                  prompt_config=env_prompt_config("webshop"), max_steps=len(plan))
+    replay = ws.WebShopEnv()
+    replay.reset(task)
+    for action in plan:
+      replay.step(action)
+    want = replay.last_score or 0.0
+    np.testing.assert_allclose(b.scores, [want, want], rtol=1e-6)
+    assert b.metrics["score"] == pytest.approx(want)
+    scores[name] = want
+  assert scores["expert"] == 1.0 and 0.0 < scores["no options"] < 1.0 and scores["browser"] == 0.0
