@@ -78,23 +78,23 @@ def hf_tensor_specs(config: ModelConfig) -> dict[str, _TensorSpec]:
     pre = f"model.layers.{i}."
     attn = ("layers", i, "attn")
     mlp = ("layers", i, "mlp")
-    specs[pre + "self_attn.q_proj.weight"] = _TensorSpec(attn + ("q_proj",), (n * h, d),
+    specs[pre + "self_attn.q_proj.weight"] = _TensorSpec(attn + ("q_proj", "w"), (n * h, d),
                                                          *in_proj(n))
-    specs[pre + "self_attn.k_proj.weight"] = _TensorSpec(attn + ("k_proj",), (k * h, d),
+    specs[pre + "self_attn.k_proj.weight"] = _TensorSpec(attn + ("k_proj", "w"), (k * h, d),
                                                          *in_proj(k))
-    specs[pre + "self_attn.v_proj.weight"] = _TensorSpec(attn + ("v_proj",), (k * h, d),
+    specs[pre + "self_attn.v_proj.weight"] = _TensorSpec(attn + ("v_proj", "w"), (k * h, d),
                                                          *in_proj(k))
-    specs[pre + "self_attn.o_proj.weight"] = _TensorSpec(attn + ("o_proj",), (d, n * h),
+    specs[pre + "self_attn.o_proj.weight"] = _TensorSpec(attn + ("o_proj", "w"), (d, n * h),
                                                          *out_proj)
     if c.attention_bias:
       specs[pre + "self_attn.q_proj.bias"] = _TensorSpec(attn + ("q_bias",), (n * h,), *bias(n))
       specs[pre + "self_attn.k_proj.bias"] = _TensorSpec(attn + ("k_bias",), (k * h,), *bias(k))
       specs[pre + "self_attn.v_proj.bias"] = _TensorSpec(attn + ("v_bias",), (k * h,), *bias(k))
-    specs[pre + "mlp.gate_proj.weight"] = _TensorSpec(mlp + ("gate_proj",), (f, d),
+    specs[pre + "mlp.gate_proj.weight"] = _TensorSpec(mlp + ("gate_proj", "w"), (f, d),
                                                       _transpose, _transpose)
-    specs[pre + "mlp.up_proj.weight"] = _TensorSpec(mlp + ("up_proj",), (f, d),
+    specs[pre + "mlp.up_proj.weight"] = _TensorSpec(mlp + ("up_proj", "w"), (f, d),
                                                     _transpose, _transpose)
-    specs[pre + "mlp.down_proj.weight"] = _TensorSpec(mlp + ("down_proj",), (d, f),
+    specs[pre + "mlp.down_proj.weight"] = _TensorSpec(mlp + ("down_proj", "w"), (d, f),
                                                       _transpose, _transpose)
     specs[pre + "input_layernorm.weight"] = _TensorSpec(("layers", i, "input_norm", "scale"),
                                                         (d,), _identity, _identity)
@@ -159,7 +159,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules | None
   model's state or a loaded state dict. Nothing is allocated: the model is built abstractly.
   """
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
-  return shardings_for_state(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)), mesh, rules)
+  return shardings_for_state(nnx.state(abstract, nnx.Param), mesh, rules)
 
 
 def load_state_dict(config: ModelConfig, tensors: Mapping[str, Any], *, dtype=None,
@@ -206,7 +206,7 @@ def load_state_dict(config: ModelConfig, tensors: Mapping[str, Any], *, dtype=No
   pure = nnx.to_pure_dict(state)
   if mesh is not None:
     rules = rules or ShardingRules()
-    shardings = shardings_for_state(pure, mesh, rules)
+    shardings = shardings_for_state(state, mesh, rules)
   else:
     device = SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, pure)

@@ -15,8 +15,6 @@ replicated on that axis instead of failing: `fit_spec` drops it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 from flax import nnx
@@ -47,24 +45,6 @@ class ShardingRules:
   act_btf: P = P(_D, None, _M)
   logits_btv: P = P(_D, None, _M)
   cache_bk: P = P(_D, _M, None, None)  # keys [B, K, H, S], values [B, K, S, H]
-
-
-# Leaf name of a CausalLM parameter -> the ShardingRules field that places it.
-PARAM_RULES: Mapping[str, str] = {
-    "embed_tokens": "emb_vd",
-    "lm_head": "lm_head_vd",
-    "q_proj": "q_weight_dnh",
-    "k_proj": "kv_weight_dkh",
-    "v_proj": "kv_weight_dkh",
-    "o_proj": "o_weight_nhd",
-    "q_bias": "q_bias_nh",
-    "k_bias": "kv_bias_kh",
-    "v_bias": "kv_bias_kh",
-    "gate_proj": "ffw_weight_df",
-    "up_proj": "ffw_weight_df",
-    "down_proj": "ffw_weight_fd",
-    "scale": "norm_d",
-}
 
 
 def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -114,31 +94,31 @@ class ActivationSharding:
     return NamedSharding(self.mesh, fit_spec(getattr(self.rules, kind), shape, self.mesh))
 
 
-def _leaf_name(path) -> str:
-  last = path[-1]
-  return str(getattr(last, "key", getattr(last, "name", getattr(last, "idx", last))))
-
-
-def specs_for_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> Any:
-  """PartitionSpec per leaf of a pure-dict (or nnx.State) of CausalLM parameters, same structure.
+def specs_for_state(state: nnx.State, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
+  """PartitionSpec per parameter of an nnx.State of `CausalLM` parameters (real or abstract), as
+  the nested pure dict that `nnx.to_pure_dict(state)` gives. Each parameter names its
+  `ShardingRules` field in its metadata (`sharding_rule`).
 
   Raises:
-    ValueError: a leaf whose name has no rule (a parameter this table does not know).
+    ValueError: a parameter without a rule, or one naming no field of `ShardingRules`.
   """
   rules = rules or ShardingRules()
 
-  def one(path, leaf):
-    name = _leaf_name(path)
-    if name not in PARAM_RULES:
-      raise ValueError(f"no sharding rule for parameter {jax.tree_util.keystr(path)}")
-    return fit_spec(getattr(rules, PARAM_RULES[name]), tuple(leaf.shape), mesh)
+  def one(path, var):
+    rule = var.get_metadata().get("sharding_rule")
+    if not isinstance(rule, str) or not hasattr(rules, rule):
+      raise ValueError(f"no sharding rule for parameter {jax.tree_util.keystr(path)} "
+                       f"(sharding_rule metadata: {rule!r})")
+    return fit_spec(getattr(rules, rule), tuple(var.shape), mesh)
 
-  return jax.tree_util.tree_map_with_path(one, state)
+  specs = jax.tree_util.tree_map_with_path(one, state,
+                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(specs)
 
 
-def shardings_for_state(state: Any, mesh: Mesh, rules: ShardingRules | None = None) -> Any:
-  """NamedSharding per leaf of a pure-dict (or nnx.State) of CausalLM parameters, same structure
-  (`specs_for_state` on `mesh`)."""
+def shardings_for_state(state: nnx.State, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
+  """NamedSharding per parameter of `state`, as a nested pure dict (`specs_for_state` on
+  `mesh`)."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs_for_state(state, mesh, rules),
                       is_leaf=lambda x: isinstance(x, P))
 
@@ -151,8 +131,8 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules | None = None):
   """
   rules = rules or ShardingRules()
   state = nnx.state(model, nnx.Param)
+  shardings = shardings_for_state(state, mesh, rules)
   pure = nnx.to_pure_dict(state)
-  shardings = shardings_for_state(pure, mesh, rules)
   nnx.replace_by_pure_dict(state, jax.tree.map(jax.device_put, pure, shardings))
   nnx.update(model, state)
   model.activation_sharding = ActivationSharding(mesh, rules)

@@ -1,8 +1,9 @@
 """Qwen2 / Llama-family causal LM in flax.nnx, numerically matching Hugging Face transformers.
 
 RMSNorm, RoPE (HF's rotate_half convention), grouped-query attention, SwiGLU MLP, optional q/k/v
-bias (Qwen2 yes, Llama / SmolLM2 no), tied or untied output head. Parameters are stored in einsum
-layouts (q: [D, N, H], o: [N, H, D], MLP: [D, F] / [F, D]); `loading.py` maps HF names onto them.
+bias (Qwen2 yes, Llama / SmolLM2 no), tied or untied output head. Each projection is an `Einsum`
+module whose weight `w` is stored in its einsum layout (q: [D, N, H], o: [N, H, D], MLP: [D, F] /
+[F, D]); `loading.py` maps HF names onto them.
 
 Shapes: B batch, L / T tokens, S cache slots, D hidden, V vocab, N query heads, K kv heads,
 H head_dim, F MLP width, G = N // K queries per kv head.
@@ -134,11 +135,55 @@ def _normal(rngs: nnx.Rngs, shape, dtype):
   return nnx.initializers.normal(_INIT_STD)(rngs.params(), shape, dtype)
 
 
+def _param(value, sharding_rule: str) -> nnx.Param:
+  """A parameter that names the `ShardingRules` field placing it (`partitioning.specs_for_state`
+  reads it from the variable's metadata)."""
+  return nnx.Param(value, sharding_rule=sharding_rule)
+
+
+class Einsum(nnx.Module):
+  """A projection y = einsum(equation, x, w) that uses its weight `w` as stored.
+
+  The equation's letters name the axes (T tokens, D hidden, N / K query / kv heads, H head_dim,
+  F MLP width); its first operand is one token axis T and the contracted axes, so x's leading
+  axes are flattened into T first and restored after (over [B, T, ...] the weight gradient would
+  contract two axes, for which XLA:CPU transposes whole activations). The weight goes unreshaped
+  into one `lax.dot_general` whose contracted axes keep the weight's order, which is what a LoRA
+  library intercepting a module Param's contractions can wrap (qwix, as Tunix uses it; tested on
+  every projection). `jnp.einsum` would contract the axes in alphabetical order: o_proj's
+  'TNH,NHD->TD' as (H, N), for which XLA:CPU transposes the weight at every call.
+  """
+
+  def __init__(self, equation: str, shape: tuple[int, ...], sharding_rule: str, *,
+               rngs: nnx.Rngs, dtype, param_dtype):
+    operands, out = equation.split("->")
+    lhs, rhs = operands.split(",")
+    if (len(rhs) != len(shape) or lhs[0] != out[0] or out[0] in rhs
+        or out[1:] != "".join(c for c in rhs if c not in lhs)
+        or any(c not in rhs for c in lhs[1:])):
+      raise ValueError(f"equation {equation!r} must be 'T<contracted>,<weight axes>->T<kept>' "
+                       f"over a weight of shape {shape}")
+    self.equation = equation
+    # Contracted axes in the weight's order, and where each sits in x's trailing axes.
+    self.weight_axes = tuple(i for i, c in enumerate(rhs) if c in lhs)
+    self.input_axes = tuple(1 + lhs[1:].index(rhs[i]) for i in self.weight_axes)
+    self.w = _param(_normal(rngs, shape, param_dtype), sharding_rule)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n = len(self.input_axes)
+    lead = x.shape[:x.ndim - n]
+    flat = x.reshape(-1, *x.shape[x.ndim - n:])
+    y = jax.lax.dot_general(flat, self.w[...].astype(self.dtype),
+                            ((self.input_axes, self.weight_axes), ((), ())))
+    return y.reshape(*lead, *y.shape[1:])
+
+
 class RMSNorm(nnx.Module):
   """y = scale * x / sqrt(mean(x^2) + eps), statistics in f32 (as HF)."""
 
   def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.scale = _param(jnp.ones((dim,), param_dtype), "norm_d")
     self.eps = eps
     self.dtype = dtype
 
@@ -157,14 +202,15 @@ class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
     c = config
     d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    self.q_proj = nnx.Param(_normal(rngs, (d, n, h), param_dtype))
-    self.k_proj = nnx.Param(_normal(rngs, (d, k, h), param_dtype))
-    self.v_proj = nnx.Param(_normal(rngs, (d, k, h), param_dtype))
-    self.o_proj = nnx.Param(_normal(rngs, (n, h, d), param_dtype))
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.q_proj = Einsum("TD,DNH->TNH", (d, n, h), "q_weight_dnh", **kw)
+    self.k_proj = Einsum("TD,DKH->TKH", (d, k, h), "kv_weight_dkh", **kw)
+    self.v_proj = Einsum("TD,DKH->TKH", (d, k, h), "kv_weight_dkh", **kw)
+    self.o_proj = Einsum("TNH,NHD->TD", (n, h, d), "o_weight_nhd", **kw)
     if c.attention_bias:
-      self.q_bias = nnx.Param(jnp.zeros((n, h), param_dtype))
-      self.k_bias = nnx.Param(jnp.zeros((k, h), param_dtype))
-      self.v_bias = nnx.Param(jnp.zeros((k, h), param_dtype))
+      self.q_bias = _param(jnp.zeros((n, h), param_dtype), "q_bias_nh")
+      self.k_bias = _param(jnp.zeros((k, h), param_dtype), "kv_bias_kh")
+      self.v_bias = _param(jnp.zeros((k, h), param_dtype), "kv_bias_kh")
     self.use_bias = c.attention_bias
     self.impl = c.attention_impl
     self.scale = c.head_dim ** -0.5
@@ -173,9 +219,7 @@ class Attention(nnx.Module):
   def project(self, x, cos, sin, shard: ActivationSharding):
     """x[B, T, D] -> q[B, T, N, H], k, v[B, T, K, H], RoPE applied to q and k."""
     dt = self.dtype
-    q = token_matmul(x, self.q_proj[...].astype(dt), 1)
-    k = token_matmul(x, self.k_proj[...].astype(dt), 1)
-    v = token_matmul(x, self.v_proj[...].astype(dt), 1)
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if self.use_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -204,8 +248,7 @@ class Attention(nnx.Module):
       out = jnp.concatenate(outs, axis=1)
     else:
       out = self._attend_chunked(q, k, v, mask, shard)
-    out = shard(out, "act_btnh")
-    return token_matmul(out, self.o_proj[...].astype(self.dtype), 2)
+    return self.o_proj(shard(out, "act_btnh"))
 
   def _attend_query_blocks(self, q, k, v, mask, shard: ActivationSharding, causal: bool):
     """`_attend_rows` over `_QUERY_BLOCK` queries at a time, each block under jax.checkpoint so
@@ -280,17 +323,14 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
     d, f = config.hidden_size, config.intermediate_size
-    self.gate_proj = nnx.Param(_normal(rngs, (d, f), param_dtype))
-    self.up_proj = nnx.Param(_normal(rngs, (d, f), param_dtype))
-    self.down_proj = nnx.Param(_normal(rngs, (f, d), param_dtype))
-    self.dtype = dtype
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.gate_proj = Einsum("TD,DF->TF", (d, f), "ffw_weight_df", **kw)
+    self.up_proj = Einsum("TD,DF->TF", (d, f), "ffw_weight_df", **kw)
+    self.down_proj = Einsum("TF,FD->TD", (f, d), "ffw_weight_fd", **kw)
 
   def __call__(self, x, shard: ActivationSharding):
-    dt = self.dtype
-    gate = token_matmul(x, self.gate_proj[...].astype(dt), 1)
-    up = token_matmul(x, self.up_proj[...].astype(dt), 1)
-    hidden = shard(jax.nn.silu(gate) * up, "act_btf")
-    return token_matmul(hidden, self.down_proj[...].astype(dt), 1)
+    hidden = shard(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "act_btf")
+    return self.down_proj(hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -337,14 +377,14 @@ class CausalLM(nnx.Module):
     self.config = config
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.embed_tokens = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size),
-                                          param_dtype))
+    self.embed_tokens = _param(_normal(rngs, (config.vocab_size, config.hidden_size),
+                                       param_dtype), "emb_vd")
     self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw)
                             for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
     if not config.tie_word_embeddings:
-      self.lm_head = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size),
-                                       param_dtype))
+      self.lm_head = _param(_normal(rngs, (config.vocab_size, config.hidden_size),
+                                    param_dtype), "lm_head_vd")
     self.activation_sharding = ActivationSharding()
 
   # ---- pieces shared by both forwards ----
