@@ -9,6 +9,7 @@
   task_list("alfworld", "valid_unseen")      -> the tasks of a split
   entry("alfworld").train_split              -> its default splits (train, eval)
   env_arguments("webshop")                   -> the keyword arguments its environment takes
+  prompt_fields("webshop")                   -> the agent's prompt settings it brings
   check_env_config(config)                   -> ValueError for unknown env_kwargs, splits, task ids
 
 Modules are imported on first use: a worker that plays the toy env never imports alfworld. Task
@@ -35,6 +36,8 @@ class EnvEntry:
   train_split: str
   eval_splits: tuple[str, ...]
   params: str = ""          # "module:Dataclass" whose fields the env's **params take (if any)
+  prompt: str = ""          # "module:NAME", a dict of the agent's PromptConfig fields (if any)
+  view: str = ""            # "module:function" (first observation, observation) -> (task, page)
 
 
 # The one registry of environments: the trainer, the worker pool and the scripts all read it.
@@ -46,7 +49,8 @@ _REGISTRY = {
                           params="envs.textworld_games:GameParams"),
     "toy": EnvEntry("envs.toy:ToyEnv", "envs.toy:toy_tasks", "train", ("eval",)),
     "webshop": EnvEntry("envs.webshop:WebShopEnv", "envs.webshop:webshop_tasks", "train",
-                        ("test",)),
+                        ("test",), prompt="envs.webshop:PROMPT",
+                        view="envs.webshop:observation_view"),
 }
 
 
@@ -64,6 +68,22 @@ def entry(name: str) -> EnvEntry:
   if name not in _REGISTRY:
     raise ValueError(f"unknown environment {name!r}; known: {names()}")
   return _REGISTRY[name]
+
+
+def prompt_fields(name: str) -> dict:
+  """The agent's `PromptConfig` fields that environment `name` sets (its instruction, its
+  observation view); {} for one that keeps the defaults or is not registered."""
+  ref = _REGISTRY[name].prompt if name in _REGISTRY else ""
+  return dict(_load(ref)) if ref else {}
+
+
+def observation_view(name: str) -> Callable[[str, str], tuple[str, str]]:
+  """Environment `name`'s view of its observations for prompts: (first observation, observation)
+  -> (task, page). ValueError naming the environments that have one otherwise."""
+  if name not in _REGISTRY or not _REGISTRY[name].view:
+    have = sorted(n for n, e in _REGISTRY.items() if e.view)
+    raise ValueError(f"observation_view must be None or one of {have}, got {name!r}")
+  return _load(_REGISTRY[name].view)
 
 
 def make_env(name: str, **kwargs: Any) -> TextEnv:

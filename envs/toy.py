@@ -30,8 +30,11 @@ from typing import Optional
 
 from envs.base import EnvStep, Task, TextEnv, normalize_action
 
-_ROOM_NAMES = ("hall", "kitchen", "study", "garden", "cellar", "attic", "library", "pantry",
-               "gallery", "bathroom", "bedroom", "garage")
+ROOM_NAMES = ("hall", "kitchen", "study", "garden", "cellar", "attic", "library", "pantry",
+              "gallery", "bathroom", "bedroom", "garage")
+# What the env says besides its room names: a tokenizer for it learns its merges from these
+# (`salt_jax.agent.prompts.toy_chat_tokenizer`).
+WORDS = "go to take key unlock door vault look inventory Nothing happens. You carry a brass key."
 TASK_TYPES = ("walk", "key-door")
 _NOTHING = "Nothing happens."
 _OVER = "The episode is over."
@@ -78,7 +81,7 @@ def _layout(task: Task, num_rooms: int) -> _Layout:
   if task.task_type not in TASK_TYPES:
     raise ValueError(f"unknown toy task type {task.task_type!r}; expected one of {TASK_TYPES}")
   rng = random.Random(zlib.crc32(task.task_id.encode("utf-8")))  # stable across processes
-  rooms = tuple(rng.sample(_ROOM_NAMES, num_rooms))
+  rooms = tuple(rng.sample(ROOM_NAMES, num_rooms))
   edges = [set() for _ in range(num_rooms)]
   for i in range(1, num_rooms):  # a random tree: connected, with dead ends to explore
     j = rng.randrange(i)
@@ -176,8 +179,8 @@ class ToyEnv(TextEnv):
 
   def __init__(self, num_rooms: int = 5, max_steps: int = 20, enable_test_faults: bool = False,
                task_types: tuple = TASK_TYPES):
-    if not 2 <= num_rooms <= len(_ROOM_NAMES):
-      raise ValueError(f"num_rooms must be in [2, {len(_ROOM_NAMES)}], got {num_rooms}")
+    if not 2 <= num_rooms <= len(ROOM_NAMES):
+      raise ValueError(f"num_rooms must be in [2, {len(ROOM_NAMES)}], got {num_rooms}")
     if max_steps < 1:
       raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     self.num_rooms = num_rooms

@@ -66,6 +66,31 @@ PRICE_RANGE = [10.0 * i for i in range(1, 100)]  # WebShop's price caps
 GOAL_SHUFFLE_SEED = 233
 REWARDS = ("won", "score")
 SEP = " [SEP] "
+
+# The agent's prompt pieces for WebShop (`envs.registry.prompt_fields`, read by
+# `salt_jax.agent.prompts.env_prompt_config`): an instruction, and the view of the pages below.
+INSTRUCTION = (
+    "You are an expert autonomous agent shopping in the WebShop e-commerce environment. Each turn "
+    "you see the current web page, its texts separated by [SEP], and the actions available on it; "
+    "search[...] takes any query. Choose the action that best advances the shopping goal.")
+PROMPT = {"instruction": INSTRUCTION, "observation_view": "webshop"}
+
+
+def observation_view(first_observation: str, observation: str) -> tuple[str, str]:
+  """(task, page) of a WebShop text observation, as verl-agent's WebShop manager shows them.
+
+  The task is the text after "Instruction:" in the first page; the page is what follows the task,
+  each text quoted ("'Back to Search' [SEP] 'Page 1 (Total results: 50)' ..."). A page that does
+  not hold the task (the page after buying) is shown as it is. A first page without an
+  "Instruction:" text is its own task.
+  """
+  parts = first_observation.split(SEP)
+  task = (parts[parts.index("Instruction:") + 1] if "Instruction:" in parts[:-1]
+          else first_observation)
+  page = observation.split(SEP)
+  if task not in page:
+    return task, observation
+  return task, SEP.join(f"'{p}'" for p in page[page.index(task) + 1:])
 SEARCH_TEMPLATE = "search[<your query>]"  # verl-agent's listing of the search bar
 # Buttons, as WebShop's pages label them (clicked lower-cased).
 BACK_TO_SEARCH, PREV, NEXT, BUY = "Back to Search", "< Prev", "Next >", "Buy Now"

@@ -425,14 +425,14 @@ def test_registry_builds_webshop():
 def test_webshop_prompt_shows_the_task_once_and_quoted_pages(env):
   from salt_jax.agent import prompts  # pylint: disable=import-outside-toplevel
   first = env.reset(ws.webshop_tasks("test")[0])
-  task, page = prompts.webshop_view(first.observation, first.observation)
+  task, page = ws.observation_view(first.observation, first.observation)
   assert task == env.goal["instruction_text"] and page == "'Search'"
   results = env.step("search[made for everyday use]").observation
-  _, page = prompts.webshop_view(first.observation, results)
+  _, page = ws.observation_view(first.observation, results)
   assert page.startswith("'Back to Search' [SEP] 'Page 1 (Total results: 50)' [SEP] 'Next >'")
-  assert prompts.webshop_view("no header", "done page") == ("no header", "done page")
+  assert ws.observation_view("no header", "done page") == ("no header", "done page")
   cfg = prompts.env_prompt_config("webshop", history_window=2)
-  assert cfg.instruction == prompts.WEBSHOP_INSTRUCTION and cfg.observation_view == "webshop"
+  assert cfg.instruction == ws.INSTRUCTION and cfg.observation_view == "webshop"
   assert prompts.env_prompt_config("alfworld") == prompts.PromptConfig()
   with pytest.raises(ValueError, match="observation_view"):
     prompts.PromptConfig(observation_view="html")

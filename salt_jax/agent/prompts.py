@@ -20,9 +20,10 @@ Two modes (`PromptConfig.history_window`):
 Every prompt asks for reasoning inside <think>...</think>, then the action inside
 <action>...</action>.
 
-An environment whose first observation is a whole page holding the task (WebShop) sets an
-`observation_view` (`env_prompt_config`): the task is taken out of the first page and shown once as
-"Your task: ...", and every page is shown without its repeated instruction header. That is
+An environment brings its own prompt pieces (`env_prompt_config`, from its registry entry): an
+instruction, and where its first observation is a whole page holding the task (WebShop,
+`envs.webshop.observation_view`) a view: the task is taken out of the first page and shown once
+as "Your task: ...", and every page is shown without its repeated instruction header. That is
 verl-agent's WebShop prompt in this project's words: the task; the steps taken and the last k
 (observation, action) pairs; the current step and page; the available actions; the format
 instruction.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from envs import registry
 from salt_jax.agent import parsing
 
 DEFAULT_INSTRUCTION = (
@@ -52,35 +54,7 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
-WEBSHOP_INSTRUCTION = (
-    "You are an expert autonomous agent shopping in the WebShop e-commerce environment. Each turn "
-    "you see the current web page, its texts separated by [SEP], and the actions available on it; "
-    "search[...] takes any query. Choose the action that best advances the shopping goal.")
-
 _MARK = "\u2063MARK\u2063"  # a probe assistant message that no template rewrites
-_SEP = " [SEP] "
-
-
-def webshop_view(first_observation: str, observation: str) -> tuple[str, str]:
-  """(task, page) of a WebShop text observation, as verl-agent's WebShop manager shows them.
-
-  The task is the text after "Instruction:" in the first page; the page is what follows the task,
-  each text quoted ("'Back to Search' [SEP] 'Page 1 (Total results: 50)' ..."). A page that does
-  not hold the task (the page after buying) is shown as it is. A first page without an
-  "Instruction:" text is its own task.
-  """
-  parts = first_observation.split(_SEP)
-  task = (parts[parts.index("Instruction:") + 1] if "Instruction:" in parts[:-1]
-          else first_observation)
-  page = observation.split(_SEP)
-  if task not in page:
-    return task, observation
-  return task, _SEP.join(f"'{p}'" for p in page[page.index(task) + 1:])
-
-
-OBSERVATION_VIEWS = {"webshop": webshop_view}
-# Environments whose prompts differ from the defaults: PromptConfig fields by env name.
-ENV_PROMPTS = {"webshop": dict(instruction=WEBSHOP_INSTRUCTION, observation_view="webshop")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +67,9 @@ class PromptConfig:
   instruction: opens the first user turn (windowed: every prompt).
   format_instruction: the <think>/<action> instruction, in the first user turn (windowed: every).
   show_admissible: list the admissible actions in every user turn.
-  observation_view: None, or a key of `OBSERVATION_VIEWS` ("webshop"): the task is taken out of
-    the first observation and each observation is shown through the view.
+  observation_view: None, or the name of an environment that has a view of its observations
+    (`envs.registry.observation_view`: "webshop"): the task is taken out of the first observation
+    and each observation is shown through the view.
   """
 
   history_window: Optional[int] = None
@@ -105,9 +80,8 @@ class PromptConfig:
   observation_view: Optional[str] = None
 
   def __post_init__(self):
-    if self.observation_view is not None and self.observation_view not in OBSERVATION_VIEWS:
-      raise ValueError(f"observation_view must be None or one of {sorted(OBSERVATION_VIEWS)}, "
-                       f"got {self.observation_view!r}")
+    if self.observation_view is not None:
+      registry.observation_view(self.observation_view)  # ValueError for one without a view
     if self.history_window is not None and (
         isinstance(self.history_window, bool) or not isinstance(self.history_window, int)
         or self.history_window < 0):
@@ -130,8 +104,9 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 
 def env_prompt_config(env: str, **fields) -> PromptConfig:
-  """The prompt config for environment `env`: its `ENV_PROMPTS` entry (if any), then `fields`."""
-  return PromptConfig(**{**ENV_PROMPTS.get(env, {}), **fields})
+  """The prompt config for environment `env`: the fields it sets (`envs.registry.prompt_fields`:
+  each environment owns its prompt pieces), then `fields`."""
+  return PromptConfig(**{**registry.prompt_fields(env), **fields})
 
 
 def admissible_text(admissible: Optional[Sequence[str]]) -> str:
@@ -193,7 +168,8 @@ class Conversation:
   def __init__(self, prompter: "Prompter", observation: str, admissible):
     self._p = prompter
     cfg = prompter.config
-    self._view = OBSERVATION_VIEWS.get(cfg.observation_view)
+    self._view = (None if cfg.observation_view is None
+                  else registry.observation_view(cfg.observation_view))
     self._first = observation
     self.task_observation, self.observation = (self._view(observation, observation) if self._view
                                                else (observation, observation))
@@ -308,9 +284,8 @@ def toy_chat_tokenizer(vocab_size: int = 600, extra_texts: Sequence[str] = ()):
   from envs import toy
   specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
   corpus = [DEFAULT_INSTRUCTION, FORMAT_INSTRUCTION, "<think> </think> <action> </action>",
-            "Observation: Admissible actions: Your task: go to take key unlock door vault look "
-            "inventory Nothing happens. You carry a brass key. system user assistant",
-            " ".join(toy._ROOM_NAMES), *extra_texts]  # pylint: disable=protected-access
+            f"Observation: Admissible actions: Your task: {toy.WORDS} system user assistant",
+            " ".join(toy.ROOM_NAMES), *extra_texts]
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
