@@ -3,7 +3,7 @@
 Host side (numpy, no accelerator): `build_merge_ids`, `cross_prompt_merges`,
 `gradient_changing_merges`.
 Device side (pure, jittable, shardable along `data`): `grpo_advantages`, `rloo_advantages`,
-`refine`, `token_advantages`, `policy_loss`, `microbatched_value_and_grad`.
+`gigpo_advantages`, `refine`, `token_advantages`, `policy_loss`, `microbatched_value_and_grad`.
 
 The names are imported on first use (`salt_jax.refine` imports `salt_jax.salt`), so that
 `import salt_jax.config` or the command line (`salt_jax.cli`) does not import jax.
@@ -18,6 +18,7 @@ _log.import_tqdm_auto_quietly()  # a notebook without ipywidgets: no tqdm warnin
 _EXPORTS = {
     "microbatched_value_and_grad": "salt_jax.accumulate",
     "count_invalid_rewards": "salt_jax.advantages",
+    "gigpo_advantages": "salt_jax.advantages",
     "grpo_advantages": "salt_jax.advantages",
     "rloo_advantages": "salt_jax.advantages",
     "MergeIds": "salt_jax.graph",

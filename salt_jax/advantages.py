@@ -17,6 +17,8 @@ Defined results for degenerate input, so a long run never crashes or silently tr
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple, Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -116,12 +118,124 @@ def drgrpo_advantages(rewards, group_ids, num_groups, *, mask=None, stat_mask=No
                          stat_mask=stat_mask)
 
 
-# The advantage estimators by name: fn(rewards, group_ids, num_groups, *, mask, stat_mask) -> f32[B].
-# A new estimator is one function here and one entry; the trainer and its --algo flag read this.
-ESTIMATORS = {
-    "grpo": grpo_advantages,
-    "rloo": rloo_advantages,
-    "drgrpo": drgrpo_advantages,
+class EstimatorInputs(NamedTuple):
+  """What a registered advantage estimator reads: one entry per step row (N rows; padding rows
+  have `mask` False). A pytree, so it goes into a jitted program whole.
+
+  rewards: f32[N], each row's reward as the run's recipe shapes it (`salt_jax.rewards`).
+  group_ids: int32[N], the row's group (task) in [0, num_groups).
+  mask: bool[N], False on padding rows.
+  stat_mask: bool[N], the rows that make up their group's statistics.
+  traj_ids: int32[N], the row's trajectory.
+  step_index: int32[N], the row's 0-based step within its trajectory.
+  merge_ids: int32[N], SALT's merged-edge ids (`build_merge_ids`); zeros when SALT is off.
+  anchor_ids, step_returns, values: optional f32/int32[N] for estimators that need them (GiGPO's
+    anchor-state groups and discounted step returns, a critic's values); None otherwise.
+  """
+
+  rewards: Any
+  group_ids: Any
+  mask: Any
+  stat_mask: Any
+  traj_ids: Any
+  step_index: Any
+  merge_ids: Any
+  anchor_ids: Optional[Any] = None
+  step_returns: Optional[Any] = None
+  values: Optional[Any] = None
+
+
+GIGPO_MODES = ("mean_std_norm", "mean_norm")
+
+
+def gigpo_advantages(rewards, group_ids, num_groups, step_returns, anchor_ids, *,
+                     mode="mean_std_norm", step_advantage_w=1.0, eps=1e-6, mask=None,
+                     stat_mask=None):
+  """GiGPO (Feng et al., 2025, "Group-in-Group Policy Optimization"), as verl-agent computes it
+  (`gigpo/core_gigpo.py`): A = A_episode + step_advantage_w * A_step.
+
+    A_episode: each row's score against its task group's statistics rows (GRPO's form; mode
+      "mean_std_norm" divides by the unbiased std + eps, "mean_norm" does not). A group with a
+      single statistics row is scored against mean 0 and std 1, as verl-agent does (its raw
+      score; `grpo_advantages` gives such a group 0).
+    A_step: each row's discounted step return against the other rows of its anchor group (the
+      rows of one task group that acted in the same state), the same normalisation; an anchor
+      group of one row gets 0.
+
+  Args:
+    rewards: f32[B], each step row's score (`salt_jax.rewards.row_rewards`, undiscounted).
+    group_ids: int32[B] in [0, num_groups), the task group.
+    num_groups: static int.
+    step_returns: f32[B], each row's discounted return R_t = r_t + gamma R_{t+1}
+      (`salt_jax.rewards.step_returns`).
+    anchor_ids: int32[B] in [0, B), the row's anchor-state group (`salt_jax.rewards.anchor_ids`;
+      ids are global, so an anchor never spans two task groups).
+    mode: "mean_std_norm" (verl-agent's ALFWorld script) or "mean_norm" (its WebShop script).
+    step_advantage_w: the step advantage's weight (1.0 in verl-agent).
+    eps: added to each std.
+    mask, stat_mask: as in `grpo_advantages`; stat_mask chooses the episode statistics' rows,
+      every valid row of an anchor group makes up its statistics.
+  Returns:
+    f32[B]; 0 for invalid rows (masked, NaN score); a row whose step return is not finite gets
+    its episode advantage alone.
+  """
+  if mode not in GIGPO_MODES:
+    raise ValueError(f"mode must be one of {GIGPO_MODES}, got {mode!r}")
+  normalize = mode == "mean_std_norm"
+  episode = grpo_advantages(rewards, group_ids, num_groups, normalize_std=normalize, eps=eps,
+                            mask=mask, stat_mask=stat_mask)
+  valid, _, group, _, _, count, _ = _group_stats(rewards, group_ids, num_groups, mask, stat_mask)
+  raw = jnp.asarray(rewards, jnp.float32)
+  alone = valid & (count[group] == 1)
+  episode = jnp.where(alone, raw / (1.0 + eps) if normalize else raw, episode)
+  _checks.check_same_shape("step_returns", step_returns, "rewards", rewards)
+  # A row without a valid score takes no part in its anchor group either.
+  step = grpo_advantages(step_returns, anchor_ids, max(1, jnp.shape(rewards)[0]),
+                         normalize_std=normalize, eps=eps, mask=valid)
+  return episode + step_advantage_w * step
+
+
+def _over_rewards(fn) -> Callable[[EstimatorInputs, int], jax.Array]:
+  """A group estimator of (rewards, group_ids, num_groups, *, mask, stat_mask) as a registry
+  entry."""
+  def estimator(inputs: EstimatorInputs, num_groups: int) -> jax.Array:
+    return fn(inputs.rewards, inputs.group_ids, num_groups, mask=inputs.mask,
+              stat_mask=inputs.stat_mask)
+  estimator.__name__ = estimator.__qualname__ = fn.__name__
+  estimator.__doc__ = fn.__doc__
+  return estimator
+
+
+def _gigpo(inputs: EstimatorInputs, num_groups: int, *, gigpo_mode: str = "mean_std_norm",
+           step_advantage_w: float = 1.0) -> jax.Array:
+  """`gigpo_advantages` over the named inputs (anchor ids and step returns filled by the host)."""
+  return gigpo_advantages(inputs.rewards, inputs.group_ids, num_groups, inputs.step_returns,
+                          inputs.anchor_ids, mode=gigpo_mode, step_advantage_w=step_advantage_w,
+                          mask=inputs.mask, stat_mask=inputs.stat_mask)
+
+
+class Estimator(NamedTuple):
+  """A registered advantage estimator.
+
+  fn: fn(inputs: EstimatorInputs, num_groups, **options) -> f32[N], one advantage per row.
+  options: the `TrainConfig` fields it takes as keyword arguments (static in its program).
+  needs: the optional `EstimatorInputs` fields it reads; the host fills those
+    (`batching.estimator_inputs`).
+  """
+
+  fn: Callable[..., jax.Array]
+  options: tuple[str, ...] = ()
+  needs: tuple[str, ...] = ()
+
+
+# The advantage estimators by name. A new estimator is one function of the inputs and one entry
+# here; the trainer's --algo and its advantage program (`update.step_advantages`) read this.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_over_rewards(grpo_advantages)),
+    "rloo": Estimator(_over_rewards(rloo_advantages)),
+    "drgrpo": Estimator(_over_rewards(drgrpo_advantages)),
+    "gigpo": Estimator(_gigpo, options=("gigpo_mode", "step_advantage_w"),
+                       needs=("step_returns", "anchor_ids")),
 }
 
 

@@ -28,6 +28,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from salt_jax import rewards
+from salt_jax.advantages import ESTIMATORS, EstimatorInputs
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenBatch:
@@ -244,13 +247,35 @@ def pad_rows(x, size: int, dtype) -> np.ndarray:
   return np.concatenate([x, np.zeros(size - x.shape[0], dtype)])
 
 
-def advantage_inputs(batch, algorithm, size: int) -> tuple:
-  """(row_rewards f32, group_ids int32, row_mask bool, stat_rows bool), each [size]: the step
-  rows of a `RolloutBatch` as `algorithm` (its reward_scale, penalty_scope and group_stats: an
-  `AlgorithmConfig` or a `TrainConfig`; gamma too) scores them, padded with masked rows to
-  `size` >= the number of steps."""
+def estimator_inputs(batch, algorithm, size: int, merge_ids=None) -> EstimatorInputs:
+  """The step rows of a `RolloutBatch` as `algorithm`'s estimator reads them (numpy, each
+  [size], padded with masked rows to `size` >= the number of steps).
+
+  `algorithm`: an `AlgorithmConfig` or a `TrainConfig` (its algo, reward_scale, penalty_scope,
+  gamma, group_stats, anchor_similarity). Rewards are shaped as it says (`salt_jax.rewards`);
+  the optional inputs its estimator needs (`advantages.ESTIMATORS[algo].needs`) are filled: GiGPO's
+  step returns take the discount `gamma` (its episode scores are then undiscounted) and its anchor
+  groups the observations. `merge_ids`: SALT's (int32[steps]; None: zeros).
+  """
   n = batch.num_total_steps
-  rewards = batch.row_rewards(algorithm.reward_scale, algorithm.penalty_scope, algorithm.gamma)
-  return (pad_rows(rewards, size, np.float32),
-          pad_rows(batch.step_group_ids, size, np.int32), pad_rows(np.ones(n, bool), size, bool),
-          pad_rows(batch.stat_rows(algorithm.group_stats), size, bool))
+  needs = ESTIMATORS[algorithm.algo].needs
+  discounted_returns = "step_returns" in needs
+  rows = rewards.row_rewards(batch, algorithm.reward_scale, algorithm.penalty_scope,
+                             1.0 if discounted_returns else algorithm.gamma)
+  optional = {}
+  if discounted_returns:
+    optional["step_returns"] = pad_rows(
+        rewards.step_returns(batch, algorithm.reward_scale, algorithm.gamma), size, np.float32)
+  if "anchor_ids" in needs:
+    optional["anchor_ids"] = pad_rows(rewards.anchor_ids(batch, algorithm.anchor_similarity),
+                                      size, np.int32)
+  return EstimatorInputs(
+      rewards=pad_rows(rows, size, np.float32),
+      group_ids=pad_rows(batch.step_group_ids, size, np.int32),
+      mask=pad_rows(np.ones(n, bool), size, bool),
+      stat_mask=pad_rows(rewards.stat_rows(batch, algorithm.group_stats), size, bool),
+      traj_ids=pad_rows(batch.step_traj_ids, size, np.int32),
+      step_index=pad_rows(batch.step_index, size, np.int32),
+      merge_ids=pad_rows(np.zeros(n, np.int32) if merge_ids is None else merge_ids, size,
+                         np.int32),
+      **optional)

@@ -126,8 +126,15 @@ class AlgorithmConfig:
   group_stats: str = _field("trajectories", "group statistics over trajectories (one vote each) "
                             "or over step rows (steps: verl-agent's)")
   gamma: float = _field(1.0, "each step row's return discounted by the steps after it, "
-                        "gamma ** (T - 1 - t) (GiGPO's step returns; 1: the whole return on "
-                        "every row, verl-agent's GRPO)")
+                        "gamma ** (T - 1 - t) (1: the whole return on every row, verl-agent's "
+                        "GRPO); with algo gigpo the discount of its step returns instead, its "
+                        "episode scores undiscounted (verl-agent: 0.95)")
+  gigpo_mode: str = _field("mean_std_norm", "GiGPO's normalisation of both advantages: "
+                           "mean_std_norm (verl-agent's ALFWorld) or mean_norm (its WebShop)")
+  step_advantage_w: float = _field(1.0, "GiGPO's weight of the step advantage")
+  anchor_similarity: float = _field(1.0, "GiGPO's anchor states: 1 groups rows of one task "
+                                    "that saw the same observation; below 1, observations whose "
+                                    "difflib ratio reaches it (verl-agent's similarity mode)")
   salt: bool = _field(True, "SALT step-level advantages")
   salt_history: int = _field(3, "SALT's h: a merged state is the last h (action, observation) "
                              "pairs")
@@ -242,13 +249,14 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
     from envs import registry
     from salt_jax import multihost
-    from salt_jax.advantages import ESTIMATORS
+    from salt_jax.advantages import ESTIMATORS, GIGPO_MODES
     from salt_jax.engines import ROLLOUT_ENGINES, check_vllm_engine
     from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
     from salt_jax.metrics import TRACKERS
     from salt_jax.models.config import (ATTENTION_IMPLS, REMAT_POLICIES, read_model_config,
                                         tiny_policy_config)
-    from salt_jax.rollout import GROUP_STATS, INVALID_STEP_MODES, PENALTY_SCOPES
+    from salt_jax.rewards import GROUP_STATS, PENALTY_SCOPES
+    from salt_jax.rollout import INVALID_STEP_MODES
     from salt_jax.sharding import parse_mesh_shape
 
     def need(ok, msg):
@@ -317,6 +325,11 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     need(math.isfinite(self.reward_scale) and self.reward_scale > 0,
          f"reward_scale must be > 0, got {self.reward_scale}")
     need(0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}")
+    one_of("gigpo_mode", GIGPO_MODES)
+    need(math.isfinite(self.step_advantage_w) and self.step_advantage_w >= 0,
+         f"step_advantage_w must be >= 0, got {self.step_advantage_w}")
+    need(0 < self.anchor_similarity <= 1,
+         f"anchor_similarity must be in (0, 1], got {self.anchor_similarity}")
     need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
          f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
          f"{self.embedder!r}")

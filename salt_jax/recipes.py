@@ -58,4 +58,15 @@ VERL_AGENT = {
 # scripts, verl-agent's own was not at hand). Apply with `--recipe verl-agent-webshop`.
 VERL_AGENT_WEBSHOP = {**VERL_AGENT, "max_steps": 15, "max_cache_len": 4096 + 512}
 
-RECIPES = {"verl-agent": VERL_AGENT, "verl-agent-webshop": VERL_AGENT_WEBSHOP}
+# GiGPO as verl-agent runs it (gigpo/core_gigpo.py; examples/gigpo_trainer/run_alfworld.sh and
+# run_webshop.sh): verl-agent's setting with the GiGPO estimator, step returns discounted by
+# gamma = 0.95, the step advantage weighted 1.0, anchors by exact observation
+# (enable_similarity=False); ALFWorld normalises by mean and std, WebShop by the mean alone.
+GIGPO = {**VERL_AGENT, "algo": "gigpo", "gamma": 0.95, "gigpo_mode": "mean_std_norm",
+         "step_advantage_w": 1.0, "anchor_similarity": 1.0}
+GIGPO_WEBSHOP = {**VERL_AGENT_WEBSHOP, **{k: GIGPO[k] for k in (
+    "algo", "gamma", "step_advantage_w", "anchor_similarity")}, "gigpo_mode": "mean_norm",
+                 "minibatch_rows": 64}  # ppo_mini_batch_size=64 in run_webshop.sh
+
+RECIPES = {"verl-agent": VERL_AGENT, "verl-agent-webshop": VERL_AGENT_WEBSHOP, "gigpo": GIGPO,
+           "gigpo-webshop": GIGPO_WEBSHOP}

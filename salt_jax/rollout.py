@@ -11,11 +11,8 @@ method needs (group = task, trajectory, step index), as verl-agent's one row per
 
 Rewards. Each trajectory's outcome reward is
     R = (sum of environment rewards: 1.0 on success for outcome tasks) - penalty * (invalid steps)
-with penalty 0.1 by default (`outcome_rewards`). `row_rewards` gives each step row its score for
-step-row advantages, in either of two forms: the trajectory's R on every row (the penalty folded
-into the trajectory), or verl-agent's (`reward_manager/episode.py`, `apply_invalid_action_penalty`
-in `verl/trainer/ppo/ray_trainer.py`): every row scores the scaled episode reward (10 x won there)
-and an invalid step loses the penalty on its own row only.
+with penalty 0.1 by default (`outcome_rewards`). What each step row scores under a recipe is
+`salt_jax.rewards`' (reward shaping).
 
 A step is invalid (`invalid_step`) either as this project checks it by default, "admissible": the
 parser rejects the output (no `<action>` tags, empty, too long, not admissible) or the environment
@@ -47,8 +44,6 @@ from salt_jax.log import progress_bar
 logger = logging.getLogger(__name__)
 
 INVALID_STEP_MODES = ("admissible", "format")
-PENALTY_SCOPES = ("trajectory", "step")
-GROUP_STATS = ("trajectories", "steps")
 # verl-agent's invalid step: its projection found no action (the env's verdict is not consulted).
 _FORMAT_OK = (parsing.OK, parsing.NOT_ADMISSIBLE)
 from salt_jax.agent.prompts import PromptConfig, Prompter
@@ -189,43 +184,6 @@ class RolloutBatch:
   def step_invalid_penalty(self) -> np.ndarray:
     """f32[N]: -penalty on invalid steps, 0 elsewhere (verl-agent's per-row form)."""
     return np.where(self.step_valid, 0.0, -self.invalid_action_penalty).astype(np.float32)
-
-  def row_rewards(self, reward_scale: float = 1.0, penalty_scope: str = "trajectory",
-                  gamma: float = 1.0) -> np.ndarray:
-    """f32[N]: each step row's reward for step-row group advantages.
-
-    penalty_scope "trajectory": the trajectory's reward_scale * returns - penalty * num_invalid on
-      every row (with reward_scale 1, its `outcome_rewards`);
-    "step": reward_scale * returns on every row, minus the penalty on each invalid row alone
-      (verl-agent's rows: reward_scale 10, an outcome env's returns = won).
-    gamma < 1 discounts the return part by the steps after the row, gamma ** (T - 1 - t) for step
-      t of T (GiGPO's step returns for an outcome reward, process_reward_t + gamma ** (T - 1 - t) *
-      outcome: a detour earns an early step less than the direct way); the penalty is not
-      discounted. gamma 1: every row the whole return (verl-agent's GRPO and RLOO).
-    Rows of failed trajectories score 0.
-    """
-    if penalty_scope not in PENALTY_SCOPES:
-      raise ValueError(f"penalty_scope must be one of {PENALTY_SCOPES}, got {penalty_scope!r}")
-    if not 0.0 < gamma <= 1.0:
-      raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-    t = self.step_traj_ids
-    steps_after = self.num_steps[t].astype(np.float64) - 1.0 - self.step_index
-    base = reward_scale * self.returns.astype(np.float64)[t] * gamma ** steps_after
-    if penalty_scope == "trajectory":
-      rows = base - (self.invalid_action_penalty * self.num_invalid)[t]
-    else:
-      rows = base + self.step_invalid_penalty
-    return np.where(self.failed[t], 0.0, rows).astype(np.float32)
-
-  def stat_rows(self, group_stats: str = "trajectories") -> np.ndarray:
-    """bool[N]: the rows whose rewards make up their group's statistics: "steps", all of them
-    (verl-agent's compute_mean_std_cross_steps=True); "trajectories", each trajectory's first
-    row (one vote per trajectory, as its outcome reward would give)."""
-    if group_stats not in GROUP_STATS:
-      raise ValueError(f"group_stats must be one of {GROUP_STATS}, got {group_stats!r}")
-    if group_stats == "steps":
-      return np.ones(self.num_total_steps, bool)
-    return self.step_index == 0
 
   @property
   def step_train_mask(self) -> np.ndarray:

@@ -61,7 +61,8 @@ from salt_jax.models.build import build_policy, build_tokenizer, load_params
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import length_buckets
 from salt_jax.sharding import DATA_AXIS, batch_sharding, make_mesh, parse_mesh_shape, replicated
-from salt_jax.update import lr_schedule, optimizer, step_advantages_program, update_programs
+from salt_jax.update import (estimator_options, lr_schedule, optimizer, step_advantages_program,
+                             update_programs)
 
 logger = logging.getLogger(__name__)
 
@@ -487,18 +488,19 @@ class Trainer:
     nsteps = batch.num_total_steps
     # padded to a power of two (a multiple of the data axis) so the program compiles rarely
     n_pad = -(-batching.bucket_length(nsteps, 64) // self.data_size) * self.data_size
-    merge_ids, segments = np.zeros(n_pad, np.int32), 1
+    merge, segments = None, 1
     with self.times("salt"):
       if cfg.salt:
         trajs, groups = batch.trajectories_for_salt()
         merge = build_merge_ids(trajs, groups, history=cfg.salt_history, embedder=self.embedder,
                                 threshold=cfg.embed_threshold)
-        merge_ids[:nsteps] = merge.ids
         segments = batching.bucket_length(merge.num_segments, 64)
     with self.times("advantage"):
-      program = step_advantages_program(cfg.algo, cfg.tasks_per_iter, segments, cfg.salt)
-      inputs = batching.advantage_inputs(batch, cfg, n_pad) + (merge_ids,)
-      before, after = jax.block_until_ready(program(*map(self._put, inputs)))
+      program = step_advantages_program(cfg.algo, cfg.tasks_per_iter, segments, cfg.salt,
+                                        estimator_options(cfg))
+      inputs = batching.estimator_inputs(batch, cfg, n_pad,
+                                         None if merge is None else merge.ids)
+      before, after = jax.block_until_ready(program(jax.tree.map(self._put, inputs)))
     host_before = multihost.to_host(before)[:nsteps]
     host_after = multihost.to_host(after)[:nsteps]
     with self.times("salt"):

@@ -1,7 +1,7 @@
 """The trainer's device programs: step advantages (group estimator + SALT) and the PPO-clip step.
 
   step_advantages_program(algo, num_groups, num_segments, salt) -> jitted
-      (row_rewards, group_ids, row_mask, stat_rows, merge_ids) -> (before, after)
+      (EstimatorInputs) -> (before, after)
   update_programs(config, graphdef, tx, rows, shardings...) -> (logprobs, train_step), jitted
   lr_schedule(config), optimizer(config, schedule)
 
@@ -19,46 +19,51 @@ import optax
 from flax import nnx
 
 from salt_jax.accumulate import microbatched_rows, microbatched_value_and_grad
-from salt_jax.advantages import ESTIMATORS
+from salt_jax.advantages import ESTIMATORS, EstimatorInputs
 from salt_jax.config import TrainConfig
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
 from salt_jax.loss import PolicyLossMetrics, aggregate, aggregate_weight, policy_loss
 from salt_jax.salt import refine, token_advantages
 
 
-def step_advantages(row_rewards, group_ids, row_mask, stat_rows, merge_ids, *, algo: str,
-                    num_groups: int, num_segments: int, salt: bool):
+def step_advantages(inputs: EstimatorInputs, *, algo: str, num_groups: int, num_segments: int,
+                    salt: bool, options: tuple = ()):
   """Each step row's advantage before and after SALT.
 
   Args:
-    row_rewards: f32[N], each step row's reward (`RolloutBatch.row_rewards`).
-    group_ids: int32[N], the row's group (task) in [0, num_groups).
-    row_mask: bool[N]; False marks padding rows.
-    stat_rows: bool[N], the rows that make up their group's statistics (`RolloutBatch.stat_rows`).
-    merge_ids: int32[N], each row's merged-edge id (`build_merge_ids`); read only with `salt`.
+    inputs: the rows as the estimator reads them (`batching.estimator_inputs`): shaped rewards,
+      group ids, masks, SALT's merge ids, and whatever else the estimator needs.
     algo: a name in `salt_jax.advantages.ESTIMATORS`.
     num_groups, num_segments: static sizes (groups; merged edges, >= max(merge_ids) + 1).
     salt: refine the group advantages over merged edges, or return them unchanged.
+    options: the estimator's settings as (name, value) pairs (`estimator_options`).
   Returns:
     (before, after): f32[N] group advantages and the advantages the update uses.
   """
-  before = ESTIMATORS[algo](row_rewards, group_ids, num_groups, mask=row_mask,
-                            stat_mask=stat_rows)
-  after = refine(before, merge_ids, num_segments, row_mask) if salt else before
+  before = ESTIMATORS[algo].fn(inputs, num_groups, **dict(options))
+  after = refine(before, inputs.merge_ids, num_segments, inputs.mask) if salt else before
   return before, after
 
 
-def step_advantages_program(algo: str, num_groups: int, num_segments: int, salt: bool):
+def estimator_options(config) -> tuple:
+  """(name, value) pairs of the settings `config.algo`'s estimator takes (`Estimator.options`),
+  read from `config` (a TrainConfig or AlgorithmConfig)."""
+  return tuple((name, getattr(config, name)) for name in ESTIMATORS[config.algo].options)
+
+
+def step_advantages_program(algo: str, num_groups: int, num_segments: int, salt: bool,
+                            options: tuple = ()):
   """`step_advantages` for these static settings, jitted (one compile per distinct setting)."""
   if algo not in ESTIMATORS:
     raise ValueError(f"unknown algo {algo!r}; expected one of {tuple(ESTIMATORS)}")
-  return _step_advantages_jit(algo, int(num_groups), int(num_segments), bool(salt))
+  return _step_advantages_jit(algo, int(num_groups), int(num_segments), bool(salt),
+                              tuple(options))
 
 
 @functools.lru_cache(maxsize=64)
-def _step_advantages_jit(algo, num_groups, num_segments, salt):
+def _step_advantages_jit(algo, num_groups, num_segments, salt, options):
   return jax.jit(functools.partial(step_advantages, algo=algo, num_groups=num_groups,
-                                   num_segments=num_segments, salt=salt))
+                                   num_segments=num_segments, salt=salt, options=options))
 
 
 def lr_schedule(config: TrainConfig):

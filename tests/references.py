@@ -43,6 +43,19 @@ def rloo(rewards, groups):
   return np.array(out, np.float64)
 
 
+def _uid_members(scores, uid, traj_uid, cross_steps):
+  """{uid: the scores of its statistics}: every row (cross steps) or one row per trajectory, as
+  verl-agent's `compute_*_outcome_advantage` and GiGPO's `episode_norm_reward` collect them."""
+  members, seen = {}, set()
+  for i, s in enumerate(scores):
+    if (uid[i], traj_uid[i]) in seen:
+      continue
+    members.setdefault(uid[i], []).append(s)
+    if not cross_steps:
+      seen.add((uid[i], traj_uid[i]))
+  return members
+
+
 def verl_agent_step_advantages(won, invalid, uid, traj_uid, algo, cross_steps,
                                win_reward=10.0, penalty=0.1, eps=1e-6):
   """verl-agent's step-row advantages, re-derived in loops (rows in batch order).
@@ -55,13 +68,7 @@ def verl_agent_step_advantages(won, invalid, uid, traj_uid, algo, cross_steps,
   statistics member gets 0 here where verl uses mean 0, std 1 (the raw score).
   """
   scores = [win_reward * float(w) - (penalty if bad else 0.0) for w, bad in zip(won, invalid)]
-  members, seen = {}, set()
-  for i, s in enumerate(scores):
-    if (uid[i], traj_uid[i]) in seen:
-      continue
-    members.setdefault(uid[i], []).append(s)
-    if not cross_steps:
-      seen.add((uid[i], traj_uid[i]))
+  members = _uid_members(scores, uid, traj_uid, cross_steps)
   out = []
   for i, s in enumerate(scores):
     m = members[uid[i]]
@@ -203,3 +210,69 @@ def gradient_changing_steps(merge_ids, sample_ids, advantages, atol=1e-6):
     if any(not abs(sum(v) / len(v) - mean) <= atol for v in by_sample.values()):
       count += len(members)
   return count
+
+
+# ---- GiGPO, re-derived in loops from verl-agent's gigpo/core_gigpo.py (uuids as ints) ----
+
+def gigpo_discounted_returns(step_rewards, traj_uid, gamma):
+  """`compute_step_discounted_returns`: per trajectory (rows in batch order), from its end."""
+  out = [0.0] * len(step_rewards)
+  for t in dict.fromkeys(traj_uid):
+    rows = [i for i in range(len(step_rewards)) if traj_uid[i] == t]
+    running = 0.0
+    for i in reversed(rows):
+      running = step_rewards[i] + gamma * running
+      out[i] = running
+  return out
+
+
+def gigpo_episode_norm(scores, uid, traj_uid, remove_std, eps=1e-6, cross_steps=True):
+  """`episode_norm_reward`: statistics per uid over every row (cross steps) or one per
+  trajectory; a uid with one score: mean 0, std 1."""
+  members = _uid_members(scores, uid, traj_uid, cross_steps)
+  out = []
+  for i, s in enumerate(scores):
+    m = members[uid[i]]
+    if len(m) == 1:
+      mean, std = 0.0, 1.0
+    else:
+      mean = sum(m) / len(m)
+      std = math.sqrt(sum((x - mean) ** 2 for x in m) / (len(m) - 1))
+    out.append(s - mean if remove_std else (s - mean) / (std + eps))
+  return out
+
+
+def gigpo_step_groups(anchor_obs, uid, similarity=None):
+  """`build_step_group`: within each uid, identical observations (or greedy clusters by difflib
+  ratio >= similarity) share a step group."""
+  import difflib  # pylint: disable=import-outside-toplevel
+  groups, next_id = [None] * len(anchor_obs), 0
+  for u in dict.fromkeys(uid):
+    rows = [i for i in range(len(anchor_obs)) if uid[i] == u]
+    clusters = []  # [representative, rows]
+    for i in rows:
+      for c in clusters:
+        same = (anchor_obs[i] == c[0] if similarity is None else
+                difflib.SequenceMatcher(None, anchor_obs[i], c[0]).ratio() >= similarity)
+        if same:
+          c[1].append(i)
+          break
+      else:
+        clusters.append([anchor_obs[i], [i]])
+    for _, members in clusters:
+      for i in members:
+        groups[i] = next_id
+      next_id += 1
+  return groups
+
+
+def gigpo_step_norm(step_returns, step_groups, remove_std, eps=1e-6):
+  """`step_norm_reward`: against each step group's mean (and std); a group of one: its own
+  mean, std 1 (so 0)."""
+  out = []
+  for i, r in enumerate(step_returns):
+    m = [step_returns[j] for j in range(len(step_returns)) if step_groups[j] == step_groups[i]]
+    mean = sum(m) / len(m)
+    std = 1.0 if len(m) == 1 else math.sqrt(sum((x - mean) ** 2 for x in m) / (len(m) - 1))
+    out.append(r - mean if remove_std else (r - mean) / (std + eps))
+  return out

@@ -170,3 +170,126 @@ def test_stat_mask_scores_every_member_against_the_masked_statistics():
   assert np.all(np.asarray(salt_jax.grpo_advantages(r, g, 1, stat_mask=np.zeros(4, bool))) == 0)
   with pytest.raises(ValueError, match="stat_mask"):
     salt_jax.grpo_advantages(r, g, 1, stat_mask=np.ones(3, bool))
+
+
+def _inputs(rng, n=24, groups=3, pad=5):
+  rewards = rng.normal(size=n + pad).astype(np.float32)
+  return salt_jax.advantages.EstimatorInputs(
+      rewards=rewards, group_ids=rng.integers(0, groups, n + pad).astype(np.int32),
+      mask=np.arange(n + pad) < n, stat_mask=rng.random(n + pad) < 0.7,
+      traj_ids=np.repeat(np.arange((n + pad) // 4 + 1), 4)[:n + pad].astype(np.int32),
+      step_index=np.tile(np.arange(4), (n + pad) // 4 + 1)[:n + pad].astype(np.int32),
+      merge_ids=rng.integers(0, 10, n + pad).astype(np.int32))
+
+
+def test_registry_entries_read_named_inputs_as_their_functions():
+  """Each registered estimator, given the named inputs, is its function of (rewards, group ids)
+  under the same masks; the trainer's program runs it and SALT over `merge_ids`."""
+  from salt_jax.advantages import ESTIMATORS  # pylint: disable=import-outside-toplevel
+  from salt_jax.update import step_advantages_program  # pylint: disable=import-outside-toplevel
+  x = _inputs(np.random.default_rng(0))
+  direct = {"grpo": salt_jax.grpo_advantages, "rloo": salt_jax.rloo_advantages,
+            "drgrpo": salt_jax.advantages.drgrpo_advantages}
+  assert set(ESTIMATORS) == {*direct, "gigpo"}
+  for name, fn in direct.items():
+    want = fn(x.rewards, x.group_ids, 3, mask=x.mask, stat_mask=x.stat_mask)
+    np.testing.assert_array_equal(ESTIMATORS[name].fn(x, 3), want)
+    before, after = step_advantages_program(name, 3, 10, True)(x)
+    np.testing.assert_allclose(before, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(after, salt_jax.refine(want, x.merge_ids, 10, x.mask), rtol=1e-6,
+                               atol=1e-7)
+  with pytest.raises(ValueError, match="unknown algo"):
+    step_advantages_program("gae", 3, 10, True)
+
+
+def test_a_new_estimator_is_one_function_and_one_entry(monkeypatch):
+  """An estimator that reads more than rewards (here: each row's step within its trajectory and
+  optional step returns) needs one function and one registry entry: the config accepts its name
+  and the trainer's program runs it."""
+  from salt_jax.advantages import ESTIMATORS  # pylint: disable=import-outside-toplevel
+  from salt_jax.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  from salt_jax.update import step_advantages_program  # pylint: disable=import-outside-toplevel
+
+  def later_steps_count_less(inputs, num_groups):
+    base = salt_jax.grpo_advantages(inputs.rewards, inputs.group_ids, num_groups,
+                                    mask=inputs.mask, stat_mask=inputs.stat_mask)
+    return base * 0.5 ** inputs.step_index + inputs.step_returns
+
+  monkeypatch.setitem(ESTIMATORS, "discounted_test",
+                      salt_jax.advantages.Estimator(later_steps_count_less))
+  TrainConfig(algo="discounted_test").validate()
+  x = _inputs(np.random.default_rng(1))
+  x = x._replace(step_returns=np.linspace(0.0, 1.0, x.rewards.shape[0], dtype=np.float32))
+  before, _ = step_advantages_program("discounted_test", 3, 10, False)(x)
+  grpo = salt_jax.grpo_advantages(x.rewards, x.group_ids, 3, mask=x.mask, stat_mask=x.stat_mask)
+  np.testing.assert_allclose(before, grpo * 0.5 ** x.step_index + x.step_returns, rtol=1e-6,
+                             atol=1e-7)
+
+
+def _gigpo_case(rng, n=40, groups=3, pad=4):
+  """Rows of `groups` task groups with repeated observations (anchors of one to several rows,
+  some singletons), unequal group sizes, an all-equal group (group 2: every score 10)."""
+  group = np.sort(rng.integers(0, groups, n))
+  scores = np.where(group == 2, 10.0, rng.choice([10.0, 9.9, 0.0, -0.1], n))
+  returns = rng.normal(size=n) * 3
+  obs = [f"room {rng.integers(0, 4)}" for _ in range(n)]
+  anchors = ref.gigpo_step_groups(obs, group.tolist())
+  pad_to = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(pad, dt)])  # noqa: E731
+  return (scores, group, returns, anchors,
+          dict(rewards=pad_to(scores, np.float32), group_ids=pad_to(group, np.int32),
+               step_returns=pad_to(returns, np.float32), anchor_ids=pad_to(anchors, np.int32),
+               mask=np.arange(n + pad) < n))
+
+
+@pytest.mark.parametrize("mode", ["mean_std_norm", "mean_norm"])
+@pytest.mark.parametrize("w", [1.0, 0.5])
+def test_gigpo_matches_verl_agents_loops(mode, w):
+  """`gigpo_advantages` against verl-agent's episode_norm_reward + w * step_norm_reward over
+  build_step_group's anchors, re-derived in loops: singleton anchors, an all-equal group, groups
+  of different sizes; padding rows get 0."""
+  rng = np.random.default_rng(3)
+  scores, group, returns, anchors, x = _gigpo_case(rng)
+  remove_std = mode == "mean_norm"
+  want = (np.array(ref.gigpo_episode_norm(scores.tolist(), group.tolist(),
+                                          list(range(len(scores))), remove_std))
+          + w * np.array(ref.gigpo_step_norm(returns.tolist(), anchors, remove_std)))
+  got = salt_jax.advantages.gigpo_advantages(
+      x["rewards"], x["group_ids"], 3, x["step_returns"], x["anchor_ids"], mode=mode,
+      step_advantage_w=w, mask=x["mask"])
+  n = len(scores)
+  np.testing.assert_allclose(got[:n], want, rtol=1e-4, atol=1e-4)
+  assert np.all(np.asarray(got[n:]) == 0)
+  singletons = [i for i in range(n) if anchors.count(anchors[i]) == 1]
+  assert singletons  # the case has some: their step part is exactly 0
+  episode_only = salt_jax.advantages.gigpo_advantages(
+      x["rewards"], x["group_ids"], 3, x["step_returns"], x["anchor_ids"], mode=mode,
+      step_advantage_w=0.0, mask=x["mask"])
+  np.testing.assert_array_equal(np.asarray(got)[singletons], np.asarray(episode_only)[singletons])
+  assert np.all(np.asarray(episode_only)[:n][group == 2] == 0.0)  # all-equal group: exactly 0
+
+
+def test_gigpo_degenerate_inputs():
+  """A group of one row is scored against mean 0 and std 1 (verl-agent's rule); a NaN score
+  gets 0 and stays out of the statistics; a NaN step return drops only the step part; bad
+  shapes and modes raise."""
+  gigpo = salt_jax.advantages.gigpo_advantages
+  one = gigpo(np.array([10.0]), np.array([0]), 1, np.array([3.0]), np.array([0]))
+  np.testing.assert_allclose(one, [10.0 / (1 + 1e-6)], rtol=1e-6)
+  np.testing.assert_allclose(gigpo(np.array([10.0]), np.array([0]), 1, np.array([3.0]),
+                                   np.array([0]), mode="mean_norm"), [10.0])
+  r = np.array([10.0, np.nan, 0.0, 10.0], np.float32)
+  g = np.zeros(4, np.int32)
+  ret = np.array([1.0, 2.0, np.nan, 1.0], np.float32)
+  a = np.array([0, 0, 1, 0], np.int32)
+  got = np.asarray(gigpo(r, g, 1, ret, a))
+  episode = np.asarray(salt_jax.grpo_advantages(r, g, 1))
+  assert got[1] == 0.0 and np.all(np.isfinite(got))
+  np.testing.assert_allclose(got[2], episode[2], rtol=1e-6)  # NaN return: episode part alone
+  np.testing.assert_allclose(got[[0, 3]], episode[[0, 3]], rtol=1e-6)  # equal returns: step 0
+  with pytest.raises(ValueError, match="mode"):
+    gigpo(r, g, 1, ret, a, mode="std")
+  with pytest.raises(ValueError, match="step_returns"):
+    gigpo(r, g, 1, ret[:3], a)
+  empty = gigpo(np.zeros(0, np.float32), np.zeros(0, np.int32), 1, np.zeros(0, np.float32),
+                np.zeros(0, np.int32))
+  assert empty.shape == (0,)

@@ -14,10 +14,11 @@ from salt_jax import recipes
 from salt_jax.agent.prompts import PromptConfig, toy_chat_tokenizer
 from salt_jax.rollout import TextPolicySampler, collect
 from salt_jax import cli
-from salt_jax.batching import advantage_inputs
+from salt_jax.batching import estimator_inputs
+from salt_jax.rewards import anchor_ids, row_rewards, stat_rows, state_observations, step_returns
 from salt_jax.config import TrainConfig
 from salt_jax.graph import sample_ids
-from salt_jax.update import step_advantages_program
+from salt_jax.update import estimator_options, step_advantages_program
 from tests import references as ref
 
 TOK = toy_chat_tokenizer()
@@ -65,7 +66,7 @@ def test_format_mode_marks_only_unparsable_outputs_invalid(batch):
 def _group_advantages(algo, inputs):
   """The trainer's step-advantage program with SALT off: the group estimator alone."""
   program = step_advantages_program(algo, len(TASKS), 1, salt=False)
-  before, after = program(*inputs, np.zeros(inputs[0].shape[0], np.int32))
+  before, after = program(inputs)
   np.testing.assert_array_equal(before, after)
   return np.asarray(before)
 
@@ -76,7 +77,7 @@ def test_recipe_step_advantages_equal_verl_agents_formulas(batch, algo, group_st
   cfg = TrainConfig.from_recipe("verl-agent", algo=algo, group_stats=group_stats,
                                 tasks_per_iter=len(TASKS))
   n = batch.num_total_steps
-  inputs = advantage_inputs(batch, cfg, n + 5)
+  inputs = estimator_inputs(batch, cfg, n + 5)
   got = _group_advantages(algo, inputs)
   want = ref.verl_agent_step_advantages(
       batch.success[batch.step_traj_ids], ~batch.step_valid, batch.step_group_ids.tolist(),
@@ -89,26 +90,26 @@ def test_recipe_step_advantages_equal_verl_agents_formulas(batch, algo, group_st
 def test_row_rewards_and_stat_rows(batch):
   t = batch.step_traj_ids
   invalid = ~batch.step_valid
-  np.testing.assert_allclose(batch.row_rewards(10.0, "step"),
+  np.testing.assert_allclose(row_rewards(batch, 10.0, "step"),
                              10.0 * batch.success[t] - 0.1 * invalid, rtol=1e-6)
   # The trajectory form with scale 1 is the outcome reward on every row.
-  np.testing.assert_allclose(batch.row_rewards(), batch.outcome_rewards[t], rtol=1e-6)
-  assert batch.row_rewards(1.0, "step").sum() == pytest.approx(
+  np.testing.assert_allclose(row_rewards(batch), batch.outcome_rewards[t], rtol=1e-6)
+  assert row_rewards(batch, 1.0, "step").sum() == pytest.approx(
       batch.outcome_rewards[batch.num_steps > 0].dot(batch.num_steps[batch.num_steps > 0])
       + 0.1 * (batch.num_invalid * batch.num_steps).sum() - 0.1 * invalid.sum(), rel=1e-5)
-  assert batch.stat_rows("steps").all()
-  np.testing.assert_array_equal(batch.stat_rows("trajectories"), batch.step_index == 0)
+  assert stat_rows(batch, "steps").all()
+  np.testing.assert_array_equal(stat_rows(batch, "trajectories"), batch.step_index == 0)
   with pytest.raises(ValueError, match="penalty_scope"):
-    batch.row_rewards(1.0, "row")
+    row_rewards(batch, 1.0, "row")
   with pytest.raises(ValueError, match="group_stats"):
-    batch.stat_rows("rows")
+    stat_rows(batch, "rows")
 
 
 def test_discounted_row_rewards_against_a_loop(batch):
   """gamma < 1: each row's return part discounted by the steps after it (GiGPO's step returns for
   an outcome reward), the penalty as its scope says; gamma 1 is the undiscounted form."""
-  np.testing.assert_array_equal(batch.row_rewards(10.0, "step", 1.0),
-                                batch.row_rewards(10.0, "step"))
+  np.testing.assert_array_equal(row_rewards(batch, 10.0, "step", 1.0),
+                                row_rewards(batch, 10.0, "step"))
   gamma = 0.9
   for scope in ("step", "trajectory"):
     want = []
@@ -121,14 +122,16 @@ def test_discounted_row_rewards_against_a_loop(batch):
       else:
         r -= batch.invalid_action_penalty * batch.num_invalid[traj]
       want.append(0.0 if batch.failed[traj] else r)
-    np.testing.assert_allclose(batch.row_rewards(10.0, scope, gamma), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(row_rewards(batch, 10.0, scope, gamma), want, rtol=1e-6,
+                               atol=1e-7)
   # A won trajectory's last row keeps the whole return; earlier rows get less.
   won_last = batch.success[batch.step_traj_ids] & (
       batch.step_index == batch.num_steps[batch.step_traj_ids] - 1) & batch.step_valid
-  np.testing.assert_allclose(batch.row_rewards(10.0, "step", gamma)[won_last], 10.0, rtol=1e-6)
+  np.testing.assert_allclose(row_rewards(batch, 10.0, "step", gamma)[won_last], 10.0,
+                             rtol=1e-6)
   for bad in (0.0, -0.5, 1.5, float("nan")):
     with pytest.raises(ValueError, match="gamma"):
-      batch.row_rewards(1.0, "step", bad)
+      row_rewards(batch, 1.0, "step", bad)
     with pytest.raises(ValueError, match="gamma"):
       TrainConfig(gamma=bad).validate()
 
@@ -136,7 +139,7 @@ def test_discounted_row_rewards_against_a_loop(batch):
 def test_default_scoring_is_the_per_trajectory_outcome_advantage(batch):
   # Trajectory-form rows with one vote per trajectory = GRPO over outcome rewards, repeated.
   cfg = TrainConfig(tasks_per_iter=len(TASKS))
-  inputs = advantage_inputs(batch, cfg, batch.num_total_steps)
+  inputs = estimator_inputs(batch, cfg, batch.num_total_steps)
   got = _group_advantages("grpo", inputs)
   traj = ref.grpo(batch.outcome_rewards.tolist(), batch.traj_group_ids.tolist())
   np.testing.assert_allclose(got, traj[batch.step_traj_ids], rtol=1e-5, atol=1e-5)
@@ -149,7 +152,7 @@ def test_equal_rows_give_exactly_zero(batch):
                           returns=np.ones_like(batch.returns),
                           step_valid=np.ones_like(batch.step_valid))
   for algo in ("grpo", "rloo", "drgrpo"):
-    got = _group_advantages(algo, advantage_inputs(b, cfg, b.num_total_steps))
+    got = _group_advantages(algo, estimator_inputs(b, cfg, b.num_total_steps))
     assert np.all(got == 0.0), algo
 
 
@@ -190,3 +193,79 @@ def test_sample_ids_equal_iff_every_sequence_is():
   responses = [np.array([3]), np.array([2, 3]), np.array([3]), np.array([4])]
   np.testing.assert_array_equal(sample_ids(prompts, responses), [0, 1, 0, 2])
   np.testing.assert_array_equal(sample_ids(prompts), [0, 1, 0, 0])
+
+
+def test_gigpo_recipe_advantages_equal_verl_agents_pipeline(batch):
+  """`--recipe gigpo` on a rollout with invalid steps and trajectories of different lengths, as
+  the trainer computes it (`estimator_inputs`, then the jitted program), against verl-agent's
+  GiGPO re-derived in loops: each row scores 10 x won - 0.1 on its own invalid row; step returns
+  discounted (gamma 0.95) from the 10-per-win step rewards, then 0.1 off invalid rows; anchors
+  are the rows of a task that saw the same observation; A = episode + step."""
+  cfg = TrainConfig.from_recipe("gigpo", tasks_per_iter=len(TASKS))
+  n = batch.num_total_steps
+  inputs = estimator_inputs(batch, cfg, n + 3)
+  program = step_advantages_program("gigpo", len(TASKS), 1, False, estimator_options(cfg))
+  got, _ = program(inputs)
+  invalid = ~batch.step_valid
+  scores = [10.0 * float(batch.success[t]) - (0.1 if bad else 0.0)
+            for t, bad in zip(batch.step_traj_ids, invalid)]
+  returns = ref.gigpo_discounted_returns((10.0 * batch.step_rewards).tolist(),
+                                         batch.step_traj_ids.tolist(), 0.95)
+  returns = [r - (0.1 if bad else 0.0) for r, bad in zip(returns, invalid)]
+  first = {t: batch.first_observations[t] for t in range(batch.num_trajectories)}
+  obs = [first[t] if k == 0 else batch.observations[i - 1]
+         for i, (t, k) in enumerate(zip(batch.step_traj_ids, batch.step_index))]
+  uid = batch.step_group_ids.tolist()
+  groups = ref.gigpo_step_groups(obs, uid)
+  want = (np.array(ref.gigpo_episode_norm(scores, uid, batch.step_traj_ids.tolist(), False))
+          + np.array(ref.gigpo_step_norm(returns, groups, False)))
+  np.testing.assert_allclose(np.asarray(got)[:n], want, rtol=1e-4, atol=1e-4)
+  assert np.all(np.asarray(got)[n:] == 0)
+  np.testing.assert_allclose(inputs.step_returns[:n], returns, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(inputs.anchor_ids[:n], groups)
+  np.testing.assert_allclose(inputs.rewards[:n], scores, rtol=1e-6)  # undiscounted
+  assert state_observations(batch) == obs
+  assert len(set(groups)) < n  # rows share anchors (singletons: tests/test_advantages.py)
+
+
+def test_gigpo_similarity_anchors_and_bad_values(batch):
+  """Anchors by difflib ratio: the loop re-derivation of verl-agent's greedy clusters; a ratio
+  of 1 is the exact grouping; bad gamma / similarity / options are refused."""
+  obs = state_observations(batch)
+  uid = batch.step_group_ids.tolist()
+  for thr in (0.6, 0.9):
+    np.testing.assert_array_equal(anchor_ids(batch, thr), ref.gigpo_step_groups(obs, uid, thr))
+  assert len(set(anchor_ids(batch, 0.6).tolist())) <= len(set(anchor_ids(batch).tolist()))
+  np.testing.assert_array_equal(anchor_ids(batch, 1.0), ref.gigpo_step_groups(obs, uid))
+  for bad in (0.0, 1.5, float("nan")):
+    with pytest.raises(ValueError, match="similarity"):
+      anchor_ids(batch, bad)
+    with pytest.raises(ValueError, match="gamma"):
+      step_returns(batch, 10.0, bad)
+  for change, match in ((dict(gigpo_mode="std"), "gigpo_mode"),
+                        (dict(step_advantage_w=-1.0), "step_advantage_w"),
+                        (dict(step_advantage_w=float("nan")), "step_advantage_w"),
+                        (dict(anchor_similarity=0.0), "anchor_similarity")):
+    with pytest.raises(ValueError, match=match):
+      TrainConfig.from_recipe("gigpo", **change).validate()
+  assert TrainConfig.from_recipe("gigpo-webshop").gigpo_mode == "mean_norm"
+
+
+@pytest.mark.parametrize("salt", [False, True])
+def test_gigpo_trains_end_to_end(tmp_path, salt):
+  """Two toy iterations with --algo gigpo (and GiGPO+SALT): the trainer fills the anchors and
+  step returns, the update runs, and SALT refines what GiGPO gives."""
+  from salt_jax.train import Trainer  # pylint: disable=import-outside-toplevel
+  cfg = TrainConfig(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4,
+                    tasks_per_iter=2, num_train_tasks=4, max_steps=4, max_new_tokens=24,
+                    max_cache_len=512, env_workers=0, lr=3e-4, minibatch_rows=8, iters=2, seed=1,
+                    algo="gigpo", gamma=0.9, layout="step", group_stats="steps", salt=salt,
+                    progress=False, tensorboard=False, out=str(tmp_path / "run"))
+  with Trainer(cfg) as tr:
+    tr.setup()
+    rows = [tr.iteration() for _ in range(2)]
+  before, after = tr.last.advantages
+  assert np.all(np.isfinite(before)) and np.all(np.isfinite(after))
+  assert all(r["skipped_updates"] == 0 for r in rows)
+  if not salt:
+    np.testing.assert_array_equal(before, after)

@@ -37,6 +37,7 @@ from salt_jax import sft
 from salt_jax.sharding import make_mesh
 from salt_jax.config import TrainConfig
 from salt_jax.models.build import build_policy, build_tokenizer, save_params
+from salt_jax.rewards import row_rewards
 from salt_jax.train import Trainer, _stats, sampled_success
 from tests import references as ref
 from tests.tensorboard_reader import read_tensorboard
@@ -380,7 +381,7 @@ def _step_rows(batch, cfg):
   """(each step row's reward, its group id) as `cfg` scores them, for the numpy references: BASE
   takes its statistics over all step rows of a group."""
   assert cfg.group_stats == "steps"
-  return (batch.row_rewards(cfg.reward_scale, cfg.penalty_scope, cfg.gamma).tolist(),
+  return (row_rewards(batch, cfg.reward_scale, cfg.penalty_scope, cfg.gamma).tolist(),
           batch.step_group_ids.tolist())
 
 
