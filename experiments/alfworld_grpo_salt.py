@@ -28,9 +28,9 @@ from salt_jax.cli import CPU_SIZED, main
 # All 4 starter tasks every iteration: some of them the starter nearly always or never wins, and
 # a group of equal rewards has no advantage (with 2 tasks the first iteration had none to learn).
 # Compiles: the starter's step rows hold 380 to 770 tokens, so rows padded to at least 512 make
-# two update programs (512, 768) where 384 would add a third (about 8 s of the first iteration for
-# 0.5 s a later one), and its 768-word vocabulary needs no chunked log-probs (one chunk compiles
-# faster: benchmarks/bench_update_lengths.py, docs/performance.md).
+# two update programs (512, 768) where 384 would add a third (its compile costs the first
+# iteration more than the padding costs a later one), and its 768-word vocabulary needs no chunked
+# log-probs (one chunk compiles faster: benchmarks/bench_update_lengths.py, docs/performance.md).
 CPU_DEFAULTS = dict(CPU_SIZED, env="alfworld", max_steps=6, group_size=8, tasks_per_iter=4,
                     group_stats="steps", iters=15, lr=3e-4, warmup_steps=4, kl_coef=0.0,
                     invalid_action_penalty=0.0, minibatch_rows=64, env_workers=2,

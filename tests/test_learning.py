@@ -15,9 +15,10 @@ row, GRPO's std normalisation) a run went from 0.20 to 0.00, every step valid an
 at lr 1e-3 3 of 10 runs lost every valid action within one iteration.
 
 The assertions are on success only (SALT on or off is a parameter, not a condition). The fast
-case (the per-seed clone above, seed 1, GRPO, 6 iterations) must rise by 8 points (measured here:
-0.27 -> 0.38, 1 min 50 s alone). It can fail: a policy that does not improve stays within a few
-points of its start, and with the 0.1 penalty (lr 1e-3) a run fell to 0.
+case (the per-seed clone above, seeds 1 and 2, GRPO, 12 iterations, 128-episode measurements)
+must rise on each seed and by 8 points on average (about 50 s a seed alone). It can fail: a policy
+that does not improve stays within a few points of its start, and with the 0.1 penalty (lr 1e-3)
+a run fell to 0.
 
 The slow cases start from one grounded clone (`learning_check.GROUNDED`: epsilon 0.7, 600
 cloning steps, so it copies exits out of the prompt; sampled success 0.50) and vary RL's seed
@@ -44,17 +45,25 @@ pytestmark = pytest.mark.samples
 
 SLOW_RISE = 0.20
 FAST_RISE = 0.08
-FAST = learning_check.Check(iters=6)
+FAST = learning_check.Check(iters=12, eval_rounds=4)
+FAST_SEEDS = (1, 2)
 
 
 def test_rl_raises_success_fast(tmp_path):
-  """One seed of GRPO, 6 iterations: at least FAST_RISE."""
-  run = learning_check.learning_run(FAST, seed=1, salt=False, workdir=str(tmp_path))
-  print(run)
-  assert run["after"]["all"] - run["before"]["all"] >= FAST_RISE, run
-  assert set(run["actions"]) == {1, FAST.iters} and run["actions"][1]["valid"], run["actions"]
-  assert {k: len(v) for k, v in run["merges"].items()} == {
-      k: FAST.iters for k in learning_check.MERGE_KEYS}
+  """Two seeds of GRPO, 12 iterations, 128-episode measurements: each rises, and by FAST_RISE
+  on average. Settings chosen so that no CPU's rounding decides the outcome: across seeds 1 to 6
+  with XLA capped at SSE4.2, at AVX2 or not at all, every such run rose (by 0.07 to 0.23), the
+  mean of seeds 1 and 2 by 0.13 to 0.20 (docs/study.md); the earlier one seed, 6 iterations and
+  64 episodes rose by 0.02 to 0.25."""
+  runs = [learning_check.learning_run(FAST, seed=seed, salt=False,
+                                      workdir=str(tmp_path / str(seed))) for seed in FAST_SEEDS]
+  rises = [run["after"]["all"] - run["before"]["all"] for run in runs]
+  print(rises, runs)
+  assert all(r > 0 for r in rises) and sum(rises) / len(rises) >= FAST_RISE, rises
+  for run in runs:
+    assert set(run["actions"]) == {1, FAST.iters} and run["actions"][1]["valid"], run["actions"]
+    assert {k: len(v) for k, v in run["merges"].items()} == {
+        k: FAST.iters for k in learning_check.MERGE_KEYS}
 
 
 def test_driver_resumes_a_study_from_its_out_file(tmp_path, monkeypatch):

@@ -342,11 +342,11 @@ def _grow(prompts, out, extras):
   return [list(p) + t.tolist() + e for p, t, e in zip(prompts, out.tokens, extras)]
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, rtol=0.0):
   assert got.finish_reasons == want.finish_reasons
   for g, w, gl, wl in zip(got.tokens, want.tokens, got.policy_logprobs, want.policy_logprobs):
     np.testing.assert_array_equal(g, w)
-    np.testing.assert_allclose(gl, wl, atol=1e-5)
+    np.testing.assert_allclose(gl, wl, atol=1e-5, rtol=rtol)
 
 
 @pytest.mark.parametrize("cache_buckets", [None, (16, 32)])
@@ -578,7 +578,9 @@ def test_shared_prompts_on_a_mesh(setup):
                     pad_token_id=PAD, max_cache_len=CACHE, prompt_buckets=(8,),
                     batch_buckets=(4,))
   got = sharded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
-  _assert_same(got, want)
+  # The model axis sums partial products in another order: f32 rounding relative to the value
+  # (1.5e-5 on a log-prob of -3.87 on an AMD EPYC with AVX-512).
+  _assert_same(got, want, rtol=1e-5)
   assert got.prefilled_tokens == sum(len(p) for p in {tuple(p) for p in prompts})
 
 
