@@ -505,6 +505,9 @@ class Trainer:
     host_after = multihost.to_host(after)[:nsteps]
     with self.times("salt"):
       m = merge_metrics(batch, merge, host_before) if cfg.salt else dict(NO_MERGE_METRICS)
+    if inputs.anchor_ids is not None:  # GiGPO: steps whose state another step of the task shared
+      anchors = inputs.anchor_ids[:nsteps]
+      m["anchored_steps"] = int(np.sum(np.bincount(anchors)[anchors] > 1))
     return host_before, host_after, after, m
 
   def _minibatches(self, tb: batching.TokenBatch) -> list[dict]:

@@ -267,5 +267,8 @@ def test_gigpo_trains_end_to_end(tmp_path, salt):
   before, after = tr.last.advantages
   assert np.all(np.isfinite(before)) and np.all(np.isfinite(after))
   assert all(r["skipped_updates"] == 0 for r in rows)
+  anchors = anchor_ids(tr.last.rollout.trainable())  # the logged count, recounted by hand
+  shared = sum(1 for a in anchors.tolist() if anchors.tolist().count(a) > 1)
+  assert rows[-1]["anchored_steps"] == shared
   if not salt:
     np.testing.assert_array_equal(before, after)
