@@ -634,22 +634,25 @@ class Trainer:
     sums: dict[str, float] = {}
     n, skipped = 0, 0
     order = [i for _ in range(cfg.ppo_epochs) for i in rng.permutation(live)]
+    outs = []
     with progress_bar(order, desc="update", enabled=self._show_progress, unit="batch") as bar:
       for i in bar:
         mb = {k: self._put(v) for k, v in mbs[i].items()}
         self.params, self.opt_state, out = self._train_step(self.params, self.opt_state, mb,
                                                             step_adv)
-        out = jax.device_get(out)
-        logger.debug("update: mini-batch %d, loss %.4f%s", i, float(out.get("loss", np.nan)),
-                     " (skipped: not finite)" if bool(out["skipped"]) else "")
-        if bool(out["skipped"]):
-          skipped += 1
-          continue  # a NaN/inf mini-batch: its numbers are not averaged into the metrics
-        n += 1
-        self.applied_updates += 1
-        for k, v in out.items():
-          if k != "skipped":
-            sums[k] = sums.get(k, 0.0) + float(v)
+        outs.append(out)
+    # Fetched once, after the last step: no mini-batch waits for the host to read its metrics.
+    for i, out in zip(order, jax.device_get(outs)):
+      logger.debug("update: mini-batch %d, loss %.4f%s", i, float(out.get("loss", np.nan)),
+                   " (skipped: not finite)" if bool(out["skipped"]) else "")
+      if bool(out["skipped"]):
+        skipped += 1
+        continue  # a NaN/inf mini-batch: its numbers are not averaged into the metrics
+      n += 1
+      self.applied_updates += 1
+      for k, v in out.items():
+        if k != "skipped":
+          sums[k] = sums.get(k, 0.0) + float(v)
     self.skipped_updates_total += skipped
     self._sync_sampler()
     if not n:
