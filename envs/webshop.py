@@ -66,6 +66,14 @@ PRICE_RANGE = [10.0 * i for i in range(1, 100)]  # WebShop's price caps
 GOAL_SHUFFLE_SEED = 233
 REWARDS = ("won", "score")
 SEP = " [SEP] "
+SEARCH_TEMPLATE = "search[<your query>]"  # verl-agent's listing of the search bar
+# Buttons, as WebShop's pages label them (clicked lower-cased).
+BACK_TO_SEARCH, PREV, NEXT, BUY = "Back to Search", "< Prev", "Next >", "Buy Now"
+SUB_PAGES = ("Description", "Features", "Reviews")
+LUCENE_STOPWORDS = frozenset(
+    "a an and are as at be but by for if in into is it no not of on or such that the their then "
+    "there these they this to was will with".split())
+_ACTION = re.compile(r"(.+)\[(.+)\]")  # WebShop's engine.parse_action
 
 # The agent's prompt pieces for WebShop (`envs.registry.prompt_fields`, read by
 # `salt_jax.agent.prompts.env_prompt_config`): an instruction, and the view of the pages below.
@@ -91,14 +99,6 @@ def observation_view(first_observation: str, observation: str) -> tuple[str, str
   if task not in page:
     return task, observation
   return task, SEP.join(f"'{p}'" for p in page[page.index(task) + 1:])
-SEARCH_TEMPLATE = "search[<your query>]"  # verl-agent's listing of the search bar
-# Buttons, as WebShop's pages label them (clicked lower-cased).
-BACK_TO_SEARCH, PREV, NEXT, BUY = "Back to Search", "< Prev", "Next >", "Buy Now"
-SUB_PAGES = ("Description", "Features", "Reviews")
-LUCENE_STOPWORDS = frozenset(
-    "a an and are as at be but by for if in into is it no not of on or such that the their then "
-    "there these they this to was will with".split())
-_ACTION = re.compile(r"(.+)\[(.+)\]")  # WebShop's engine.parse_action
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ episode reward (10 x won there) and an invalid step loses the penalty on its own
 from __future__ import annotations
 
 import difflib
+import itertools
 
 import numpy as np
 
@@ -101,17 +102,20 @@ def anchor_ids(batch, similarity: float = 1.0) -> np.ndarray:
   if not 0.0 < similarity <= 1.0:
     raise ValueError(f"similarity must be in (0, 1], got {similarity}")
   ids = np.zeros(batch.num_total_steps, np.int32)
+  new_id = itertools.count()  # global, in order of first appearance
+  exact: dict = {}  # (task group, observation) -> id
   clusters: dict = {}  # task group -> [(representative observation, id)]
-  exact: dict = {}
   for k, (group, obs) in enumerate(zip(batch.step_group_ids.tolist(), state_observations(batch))):
     if similarity >= 1.0:
-      ids[k] = exact.setdefault((group, obs), len(exact))
+      if (group, obs) not in exact:
+        exact[(group, obs)] = next(new_id)
+      ids[k] = exact[(group, obs)]
       continue
     mine = clusters.setdefault(group, [])
     found = next((cid for rep, cid in mine
                   if difflib.SequenceMatcher(None, obs, rep).ratio() >= similarity), None)
     if found is None:
-      found = sum(len(c) for c in clusters.values())  # the next global id
+      found = next(new_id)
       mine.append((obs, found))
     ids[k] = found
   return ids

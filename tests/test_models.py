@@ -660,3 +660,23 @@ def test_qwix_lora_wraps_all_seven_projections_of_every_layer(bias):
   got, ref = (np.asarray(_forward(m, ids, mask)) for m in (lora, merged))
   assert np.abs(got - np.asarray(_forward(base, ids, mask))).max() > 1e-2  # LoRA moved it
   np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_einsum_projection_against_numpy_and_bad_equations():
+  """`Einsum` contracts x's trailing axes with the weight's in the weight's order, over any
+  leading axes (as numpy's einsum does); an equation that is not 'T<contracted>,<weight>->T<kept>'
+  over its weight's shape is refused."""
+  from salt_jax.models.qwen2 import Einsum  # pylint: disable=import-outside-toplevel
+  kw = dict(rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  o = Einsum("TNH,NHD->TD", (3, 4, 5), "o_weight_nhd", **kw)
+  x = np.random.default_rng(0).normal(size=(2, 6, 3, 4)).astype(np.float32)
+  np.testing.assert_allclose(o(x), np.einsum("btnh,nhd->btd", x, np.asarray(o.w[...])),
+                             rtol=1e-5, atol=1e-5)
+  q = Einsum("TD,DNH->TNH", (5, 3, 4), "q_weight_dnh", **kw)
+  y = np.random.default_rng(1).normal(size=(7, 5)).astype(np.float32)
+  np.testing.assert_allclose(q(y), np.einsum("td,dnh->tnh", y, np.asarray(q.w[...])),
+                             rtol=1e-5, atol=1e-5)
+  for equation, shape in (("TD,DF->TF", (4, 5, 6)), ("TD,DF->DF", (4, 5)),
+                          ("TD,DF->TFX", (4, 5)), ("TX,DF->TF", (4, 5))):
+    with pytest.raises(ValueError, match="must be 'T<contracted>"):
+      Einsum(equation, shape, "ffw_weight_df", **kw)
