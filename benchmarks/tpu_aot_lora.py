@@ -1,4 +1,4 @@
-"""What a LoRA update would need on a TPU slice, compiled on a CPU host; the trainer has no LoRA.
+"""What a LoRA update would need on a TPU slice, compiled on a CPU host: a norm-scale stand-in.
 
   python benchmarks/tpu_aot_lora.py --model qwen2.5-32b --topology v4:2x2x1 --mesh 1x8 \
       [--remat-policy full] [--num-layers N] [--json FILE]

@@ -226,7 +226,8 @@ def warm_start_key(check: Check, seed: int, inputs=None) -> str:
 def warm_start(check: Check, path: str, seed: int, inputs=None) -> str:
   """Clones the noisy expert on the training tasks into the tiny policy; saves it at `path`."""
   cfg, tok, batch, sft_config = inputs or _warm_start_inputs(check, seed)
-  model = build_policy(cfg, tok, make_mesh("1x1"))
+  # Every parameter cloned: with --set lora_rank=R the RL that follows trains adapters over it.
+  model = build_policy(dataclasses.replace(cfg, lora_rank=0), tok, make_mesh("1x1"))
   sft.behaviour_clone(model, batch, sft_config)
   save_params(path, nnx.state(model))
   return path

@@ -3,6 +3,7 @@
   python experiments/sft_warmstart.py --env toy --steps 150
   python experiments/sft_warmstart.py --env alfworld --demos 32 --out runs/alfworld_sft
   python experiments/sft_warmstart.py --env toy --reasoning templated   # stand-in <think> text
+  python experiments/sft_warmstart.py --env alfworld --model M --lora-rank 8  # adapters, merged
 
 The saved params (`<out>/sft_params`, an orbax tree; `salt_jax.sft.warm_start`) start an RL run through
 `TrainConfig.init_params`, or directly with `--sft-warmstart` on the RL scripts. The policy and
@@ -33,6 +34,12 @@ def main(argv=None) -> int:
                  help="the demonstrations' <think> text (salt_jax.agent.reasoning)")
   p.add_argument("--group-by-length", action="store_true",
                  help="draw demos of similar lengths together (less padding, faster steps)")
+  p.add_argument("--lora-rank", type=int, default=0,
+                 help="clone into LoRA adapters of this rank over the frozen model (0: every "
+                 "parameter); the saved params have the adapters merged in")
+  p.add_argument("--lora-alpha", type=float, default=None, help="default: the rank")
+  p.add_argument("--lora-targets", default=None, help="regex over projection paths (default: "
+                 "all seven projections)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   if args.steps < 1 or args.demos < 1 or not args.lr > 0:
@@ -52,7 +59,9 @@ def main(argv=None) -> int:
                     tokenizer=args.tokenizer or ("toy" if args.env == "toy" else "qwen25"),
                     max_steps=args.max_steps or (6 if args.env == "toy" else 8),
                     max_cache_len=args.max_cache_len, seed=args.seed,
-                    out=args.out or f"runs/{args.env}_sft")
+                    lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                    out=args.out or f"runs/{args.env}_sft",
+                    **({} if args.lora_targets is None else {"lora_targets": args.lora_targets}))
   try:
     cfg.validate()
   except ValueError as e:

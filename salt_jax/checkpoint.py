@@ -202,7 +202,9 @@ class RunCheckpoints:
                          "configuration (only iters, out, eval_every, progress may change on "
                          "--resume)")
       return
-    diffs = config_differences(with_current_names(meta["config"]), self.compared_config())
+    # A run saved before LoRA existed trained every parameter: its checkpoint holds no adapters.
+    saved = {"lora_rank": 0, **with_current_names(meta["config"])}
+    diffs = config_differences(saved, self.compared_config())
     if diffs:
       raise ValueError(
           f"--resume: settings differ from the run saved in {self.config.out}: "

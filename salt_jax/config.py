@@ -30,6 +30,8 @@ from salt_jax.recipes import RECIPES
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
 LAYOUTS = ("trajectory", "step")
+# Tunix's regex for Qwen2's seven projections (Llama's have the same names).
+DEFAULT_LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
 
 def _field(default, help_: str):
@@ -71,6 +73,15 @@ class PolicyConfig:
   tiny_policy: dict = _field({}, "overrides of the tiny policy's architecture (JSON)")
   init_params: Optional[str] = _field(None, "an orbax params folder to start from (e.g. a "
                                       "behaviour-cloning warm start)")
+  lora_rank: int = _field(0, "train LoRA adapters of this rank (through qwix) on the projections "
+                          "--lora-targets matches, the base frozen and stored once; the "
+                          "reference is the base (adapters off). 0: full fine-tuning")
+  lora_alpha: Optional[float] = _field(None, "LoRA's alpha: the adapters' output is scaled by "
+                                       "alpha / rank (default: the rank, a scale of 1, as "
+                                       "verl-agent's rank 64 / alpha 64)")
+  lora_targets: str = _field(DEFAULT_LORA_TARGETS, "regex over projection paths such as "
+                             "'layers/0/attn/q_proj' or 'layers/3/mlp/down_proj' (full match) "
+                             "that get LoRA adapters (default: all seven, Tunix's)")
   param_dtype: str = _field("float32", "parameters (and compute, unless --compute-dtype) of a "
                             "--model checkpoint: float32 (AdamW's small steps round away on bf16 "
                             "weights) or bfloat16")
@@ -347,6 +358,15 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     if self.model is not None:
       # the folder's config.json (or the .gguf's) names the shape
       policy_shape = read_model_config(self.model)
+    pos_int("lora_rank", 0)
+    if self.lora_rank:
+      from salt_jax.models.lora import check_targets
+      need(self.lora_alpha is None or (isinstance(self.lora_alpha, (int, float))
+                                       and math.isfinite(self.lora_alpha) and self.lora_alpha > 0),
+           f"lora_alpha must be None or > 0, got {self.lora_alpha!r}")
+      check_targets(self.lora_targets, policy_shape.num_layers)
+      need(self.rollout_engine == "builtin", "--lora-rank with --rollout-engine vllm is not "
+           "supported yet: the engine would need the merged weights after every update")
     if self.rollout_engine == "vllm":
       need(math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0,
            f"vllm_kv_cache_gib must be > 0, got {self.vllm_kv_cache_gib}")

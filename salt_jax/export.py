@@ -1,6 +1,6 @@
 """A training run's policy as a Hugging Face folder that transformers 5.x and 4.x load alike.
 
-    python -m salt_jax.export --run runs/x --out exported/x [--step N] [--dtype bfloat16]
+    python -m salt_jax.export --run runs/x --out exported/x [--step N] [--dtype bfloat16] [--peft]
 
 Reads the run's config.json (the `TrainConfig` it ran with) to rebuild the policy's architecture
 and tokenizer, restores only the policy parameters of one orbax checkpoint under
@@ -85,28 +85,36 @@ def checkpoint_step(run: str, step: Optional[int] = None) -> int:
   return step
 
 
-def load_policy(run: str, step: Optional[int] = None):
+def load_policy(run: str, step: Optional[int] = None, *, merge: bool = True):
   """(policy CausalLM, tokenizer, TrainConfig, step) of checkpoint `step` (None: the newest).
 
-  Only the `params` item of the checkpoint's state is read, onto the first device.
+  Only the `params` item of the checkpoint's state is read, onto the first device. A LoRA run's
+  checkpoint holds the adapters: its base is rebuilt as the run built it (--model, --init-params)
+  and checked against the reference fingerprints the run saved; the policy returned has the
+  adapters merged into the base (`merge`, default) or kept as adapters.
 
   Raises:
-    ValueError: no config.json, no such checkpoint.
+    ValueError: no config.json, no such checkpoint, a LoRA run's base that changed.
     checkpoint.DamagedCheckpoint: the parameters do not read back, or read back other values
       than the fingerprints saved with them.
   """
   # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp
-  from salt_jax.models import CausalLM
-  from salt_jax.models.build import build_tokenizer, policy_config
+  from salt_jax.models import CausalLM, lora
+  from salt_jax.models.build import build_policy, build_tokenizer, policy_config
+  from salt_jax.sharding import make_mesh
   cfg = run_config(run)
   step = checkpoint_step(run, step)
   tokenizer = build_tokenizer(cfg)
-  mcfg, param_dtype = policy_config(cfg, tokenizer)
-  abstract = nnx.eval_shape(lambda: CausalLM(mcfg, rngs=nnx.Rngs(0), dtype=param_dtype,
-                                             param_dtype=param_dtype))
-  graphdef, shapes = nnx.split(abstract)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  if cfg.lora_rank:
+    model = build_policy(cfg, tokenizer, make_mesh("1x1"))
+    graphdef, shapes, base = nnx.split(model, nnx.LoRAParam, ...)
+  else:
+    mcfg, param_dtype = policy_config(cfg, tokenizer)
+    abstract = nnx.eval_shape(lambda: CausalLM(mcfg, rngs=nnx.Rngs(0), dtype=param_dtype,
+                                               param_dtype=param_dtype))
+    graphdef, shapes = nnx.split(abstract)
   item = {"params": jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)}
   step_dir = os.path.abspath(os.path.join(run, "checkpoints", str(step)))
@@ -119,7 +127,8 @@ def load_policy(run: str, step: Optional[int] = None):
     raise checkpoint.DamagedCheckpoint(
         f"checkpoint {step} of {run}: unreadable: {checkpoint.root_cause(e)}") from e
   with open(os.path.join(step_dir, checkpoint.META_ITEM, "metadata"), encoding="utf-8") as f:
-    saved = json.load(f).get("fingerprints")
+    meta = json.load(f)
+  saved = meta.get("fingerprints")
   if saved is not None:
     saved = {k: v for k, v in saved.items() if k.startswith("['params']")}
   bad = checkpoint.damaged_leaves({"params": got["params"]}, saved)
@@ -127,7 +136,17 @@ def load_policy(run: str, step: Optional[int] = None):
     raise checkpoint.DamagedCheckpoint(
         f"checkpoint {step} of {run}: {len(bad)} parameter array(s) differ from the fingerprints "
         f"saved with them, e.g. {bad[0]}")
-  return nnx.merge(graphdef, got["params"]), tokenizer, cfg, step
+  if not cfg.lora_rank:
+    return nnx.merge(graphdef, got["params"]), tokenizer, cfg, step
+  ref = meta.get("reference_fingerprints")
+  changed = checkpoint.damaged_leaves({"base": base}, None if ref is None else {
+      k: v for k, v in ref.items() if k.startswith("['base']")})
+  if changed:
+    raise ValueError(f"the LoRA base rebuilt from --model / --init-params differs from the one "
+                     f"the run in {run} trained on ({len(changed)} arrays, e.g. {changed[0]}): "
+                     "were those folders changed?")
+  model = nnx.merge(graphdef, got["params"], base)
+  return (lora.merged(model) if merge else model), tokenizer, cfg, step
 
 
 def generation_fields(cfg, tokenizer) -> dict:
@@ -141,7 +160,7 @@ def generation_fields(cfg, tokenizer) -> dict:
 
 
 def export_run(run: str, out: str, *, step: Optional[int] = None,
-               dtype: Optional[str] = None) -> int:
+               dtype: Optional[str] = None, peft: bool = False) -> int:
   """Writes checkpoint `step` (None: the newest) of `run` to the Hugging Face folder `out`.
 
   Args:
@@ -150,6 +169,7 @@ def export_run(run: str, out: str, *, step: Optional[int] = None,
       work (`check_out`).
     step: the checkpoint (iteration) to export; None: the newest complete one.
     dtype: 'float32', 'bfloat16' or 'float16'; None: the run's parameter dtype.
+    peft: a LoRA run's adapters as a PEFT folder (`write_peft`) instead of the merged model.
 
   Returns:
     The exported step.
@@ -160,12 +180,45 @@ def export_run(run: str, out: str, *, step: Optional[int] = None,
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   check_out(out)
+  if peft and not run_config(run).lora_rank:
+    raise ValueError(f"--peft exports LoRA adapters; the run in {run} trained every parameter "
+                     "(no --lora-rank): export the model without --peft")
   logger.info("export: reading checkpoint %s of %s", "(newest)" if step is None else step, run)
-  model, tokenizer, cfg, step = load_policy(run, step)
+  model, tokenizer, cfg, step = load_policy(run, step, merge=not peft)
   logger.info("export: writing %s (%s)", out, dtype or cfg.param_dtype)
-  save_pretrained(model, out, dtype=dtype, generation=generation_fields(cfg, tokenizer))
+  if peft:
+    write_peft(model, cfg, tokenizer, out, dtype=dtype)
+  else:
+    save_pretrained(model, out, dtype=dtype, generation=generation_fields(cfg, tokenizer))
   save_tokenizer(tokenizer, out)
   return step
+
+
+PEFT_BASE_SUBDIR = "base"  # where `write_peft` puts a base that is not a --model folder
+
+
+def write_peft(model, cfg, tokenizer, out: str, *, dtype: Optional[str] = None) -> None:
+  """A PEFT adapter folder: adapter_config.json and adapter_model.safetensors (PEFT's names), for
+  `peft.PeftModel.from_pretrained(base, out)`. The base is the run's --model folder when it
+  trained on that alone; otherwise (the tiny policy, a .gguf file, or --init-params over the
+  model) the base is written beside the adapters, in `out/base`, as a Hugging Face folder."""
+  # pylint: disable=import-outside-toplevel
+  import safetensors.numpy
+  from salt_jax.models import lora, save_pretrained
+  os.makedirs(out, exist_ok=True)
+  if cfg.model is not None and cfg.init_params is None and os.path.isdir(cfg.model):
+    base = os.path.abspath(cfg.model)
+  else:
+    base = os.path.abspath(os.path.join(out, PEFT_BASE_SUBDIR))
+    save_pretrained(lora.merged(model, adapters=False), base, dtype=dtype,
+                    generation=generation_fields(cfg, tokenizer))
+  tensors = lora.peft_tensors(model)
+  if dtype is not None:
+    tensors = {k: v.astype(jax.numpy.dtype(dtype)) for k, v in tensors.items()}
+  with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as f:
+    json.dump(lora.peft_config(model, base_model=base), f, indent=2)
+  safetensors.numpy.save_file(tensors, os.path.join(out, "adapter_model.safetensors"),
+                              metadata={"format": "pt"})
 
 
 def main(argv=None) -> int:
@@ -177,12 +230,16 @@ def main(argv=None) -> int:
                       help="checkpoint (iteration) to export; default: the newest")
   parser.add_argument("--dtype", choices=DTYPES, default=None,
                       help="stored dtype; default: the run's parameter dtype")
+  parser.add_argument("--peft", action="store_true",
+                      help="a LoRA run's adapters as a PEFT folder (adapter_config.json, "
+                      "adapter_model.safetensors; its base in OUT/base unless it is the run's "
+                      "--model) instead of the merged model")
   parser.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
                       help="default: $SALT_JAX_LOG_LEVEL, else info")
   args = parser.parse_args(argv)
   log.configure(args.log_level)
   try:
-    step = export_run(args.run, args.out, step=args.step, dtype=args.dtype)
+    step = export_run(args.run, args.out, step=args.step, dtype=args.dtype, peft=args.peft)
   except (ValueError, checkpoint.DamagedCheckpoint) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

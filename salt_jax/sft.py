@@ -33,7 +33,8 @@ from salt_jax import batching
 from salt_jax.agent import reasoning as reasoning_lib
 from salt_jax.agent.prompts import PromptConfig, Prompter, env_prompt_config
 from salt_jax.config import TrainConfig
-from salt_jax.models.build import build_policy, build_tokenizer, load_params, save_params
+from salt_jax.models import lora
+from salt_jax.models.build import build_policy, build_tokenizer, save_params
 from salt_jax import runlock
 from salt_jax.sharding import make_mesh
 from salt_jax.logprobs import token_logprobs
@@ -184,7 +185,8 @@ class SFTConfig:
 
 def behaviour_clone(model, batch: batching.TokenBatch, config: SFTConfig = SFTConfig(),
                     log_every: int = 0) -> list[float]:
-  """Trains `model` (a `CausalLM`, updated in place) to maximize the demo responses' likelihood.
+  """Trains `model` (a `CausalLM`, updated in place; its LoRA adapters alone when it has them) to
+  maximize the demo responses' likelihood.
 
   Rows are drawn without replacement per epoch (numpy RNG from config.seed), `config.rows` a step.
   Returns the training loss of every step.
@@ -195,13 +197,15 @@ def behaviour_clone(model, batch: batching.TokenBatch, config: SFTConfig = SFTCo
                                              max(config.steps, config.warmup_steps + 1))
   tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                    optax.adamw(sched, weight_decay=config.weight_decay))
-  graphdef, state = nnx.split(model)
+  # With LoRA adapters only they train (the base passes through frozen, not donated or copied).
+  trained = nnx.LoRAParam if lora.has_lora(model) else nnx.Param
+  graphdef, state, frozen = nnx.split(model, trained, ...)
   opt_state = tx.init(state)
 
   @jax.jit
-  def step(state, opt_state, ids, tg, lm, am, pos):
+  def step(state, opt_state, ids, tg, lm, am, pos, frozen):
     def loss_fn(s):
-      return _nll(nnx.merge(graphdef, s), ids, tg, lm, am, pos, config.chunk_size)
+      return _nll(nnx.merge(graphdef, s, frozen), ids, tg, lm, am, pos, config.chunk_size)
     loss, grads = jax.value_and_grad(loss_fn)(state)
     updates, opt_state = tx.update(grads, opt_state, state)
     return optax.apply_updates(state, updates), opt_state, loss
@@ -217,7 +221,8 @@ def behaviour_clone(model, batch: batching.TokenBatch, config: SFTConfig = SFTCo
     while len(order) < config.rows:
       order.extend(_epoch_order(rng, live, lengths, config.rows, config.group_by_length))
     idx, order = np.asarray(order[:config.rows]), order[config.rows:]
-    state, opt_state, loss = step(state, opt_state, *_rows(batch, idx, config.min_length))
+    state, opt_state, loss = step(state, opt_state, *_rows(batch, idx, config.min_length),
+                                  frozen)
     losses.append(float(loss))
     if log_every and (i + 1) % log_every == 0:
       print(f"sft step {i + 1}/{config.steps} nll={losses[-1]:.4f}", flush=True)
@@ -262,9 +267,7 @@ def _clone_and_save(cfg: TrainConfig, *, steps: int, num_demos: int, lr: float, 
   t0 = time.perf_counter()
   mesh = make_mesh(cfg.mesh)
   tok = build_tokenizer(cfg)
-  model = build_policy(cfg, tok, mesh)
-  if cfg.init_params is not None:
-    nnx.update(model, load_params(cfg.init_params, nnx.state(model)))
+  model = build_policy(cfg, tok, mesh)  # with --init-params (and adapters with --lora-rank)
   env = registry.make_expert_env(cfg.env, **cfg.env_kwargs, max_steps=cfg.max_steps)
   tasks = registry.training_tasks(cfg)
   # Only as many episodes as asked: the tasks in order, with new env seeds once they run out
@@ -296,7 +299,9 @@ def _clone_and_save(cfg: TrainConfig, *, steps: int, num_demos: int, lr: float, 
       group_by_length=group_by_length), log_every=max(1, steps // 5))
   after = nll(model, batch)
   path = os.path.abspath(os.path.join(cfg.out, SFT_SUBDIR))
-  save_params(path, nnx.state(model))
+  # A plain params tree either way (adapters merged into the base): RL starts from it through
+  # --init-params, with new adapters when it runs LoRA too.
+  save_params(path, nnx.state(lora.merged(model) if lora.has_lora(model) else model, nnx.Param))
   print(f"[sft] demo NLL {before:.3f} -> {after:.3f} nats/token over {batch.num_loss_tokens} "
         f"tokens, {steps} steps in {time.perf_counter() - t1:.1f}s; saved {path}", flush=True)
   return path

@@ -57,7 +57,7 @@ from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
 from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
-from salt_jax.models.build import build_policy, build_tokenizer, load_params
+from salt_jax.models.build import build_policy, build_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import length_buckets
 from salt_jax.sharding import DATA_AXIS, batch_sharding, make_mesh, parse_mesh_shape, replicated
@@ -315,13 +315,15 @@ class Trainer:
     sampler_mesh = self.mesh if self.num_processes == 1 else multihost.local_mesh(self.mesh)
     self.sampler_model = self.model if self.num_processes == 1 else build_policy(
         cfg, self.tokenizer, sampler_mesh)
-    self.graphdef, params = nnx.split(self.model)
-    if cfg.init_params is not None:
-      params = load_params(cfg.init_params, params)
-      nnx.update(self.model, params)
+    # Trained: every parameter, or with LoRA the adapters alone; `frozen` is the rest (the base,
+    # shared with `self.model`: held once, never donated, differentiated or given to AdamW).
+    self.trainable = nnx.LoRAParam if cfg.lora_rank else nnx.Param
+    self.graphdef, params, self.frozen = nnx.split(self.model, self.trainable, ...)
     self.params = params
+    # The reference is the initial policy: with LoRA the base with its initial adapters (B = 0,
+    # the adapters off), so only the adapters are copied.
     self.ref_params = jax.tree.map(jnp.copy, params)
-    self.ref_fingerprints = checkpoint.fingerprints(self.ref_params)
+    self.ref_fingerprints = checkpoint.fingerprints(self._reference_tree())
     self.schedule = lr_schedule(cfg)
     self.tx = optimizer(cfg, self.schedule)
     # optax makes its step counters on one device: replicate them over the mesh, so the jitted
@@ -390,8 +392,11 @@ class Trainer:
         truncate_from=self.iteration_index if resumed else None, write=self.process_index == 0,
         tracker=tracker)
     n_params = sum(x.size for x in jax.tree.leaves(self.params))
-    logger.info("setup done in %.1fs: %.1fM parameters, writing to %s",
-                time.perf_counter() - t_setup, n_params / 1e6, cfg.out)
+    n_frozen = sum(x.size for x in jax.tree.leaves(self.frozen))
+    logger.info("setup done in %.1fs: %.2fM trained parameters%s, writing to %s",
+                time.perf_counter() - t_setup, n_params / 1e6,
+                f" (LoRA rank {cfg.lora_rank}; {n_frozen / 1e6:.1f}M frozen)" if n_frozen else "",
+                cfg.out)
     return self
 
   def _sync_sampler(self) -> None:
@@ -400,7 +405,7 @@ class Trainer:
     nnx.update(self.model, self.params)
     if self.sampler_model is not self.model:
       nnx.update(self.sampler_model, multihost.copy_params(
-          self.params, nnx.state(self.sampler_model), self.mesh))
+          self.params, nnx.state(self.sampler_model, self.trainable), self.mesh))
     if self.config.rollout_engine != "builtin":
       with self.times("weight_sync"):
         self.sampler.update_params(self.params)
@@ -415,8 +420,16 @@ class Trainer:
 
   # ---------------------------------------------------------------- state and checkpoints
 
+  def _reference_tree(self):
+    """What the reference policy is made of: its params, and with LoRA the frozen base (both are
+    rebuilt at every start, and checked against the fingerprints the run started with)."""
+    if not self.config.lora_rank:
+      return self.ref_params
+    return {"adapters": self.ref_params, "base": self.frozen}
+
   def _state_tree(self) -> dict:
-    """What a checkpoint saves: the reference is the initial policy, rebuilt at every start."""
+    """What a checkpoint saves: the reference is the initial policy, rebuilt at every start; with
+    LoRA the params are the adapters (the base is not saved)."""
     return {"params": self.params, "opt_state": self.opt_state,
             "key": jax.random.key_data(self.key)}
 
@@ -434,7 +447,8 @@ class Trainer:
     self._load(*self.checkpoints.read(step, self._state_tree()))
 
   def _load(self, st: dict, meta: dict) -> None:
-    changed = checkpoint.damaged_leaves(self.ref_params, meta.get("reference_fingerprints"))
+    changed = checkpoint.damaged_leaves(self._reference_tree(),
+                                        meta.get("reference_fingerprints"))
     if changed:
       raise ValueError(
           f"the reference policy rebuilt from --model / --init-params differs from the one the "
@@ -525,8 +539,8 @@ class Trainer:
 
   def _logprobs_all(self, params, mbs: list[dict]) -> list[np.ndarray]:
     res = [self._logprobs(params, self._put(mb["input_ids"]), self._put(mb["targets"]),
-                          self._put(mb["attention_mask"]), self._put(mb["positions"]))
-           for mb in mbs]
+                          self._put(mb["attention_mask"]), self._put(mb["positions"]),
+                          self.frozen) for mb in mbs]
     return [multihost.to_host(r) for r in res]
 
   def iteration(self) -> dict:
@@ -639,7 +653,7 @@ class Trainer:
       for i in bar:
         mb = {k: self._put(v) for k, v in mbs[i].items()}
         self.params, self.opt_state, out = self._train_step(self.params, self.opt_state, mb,
-                                                            step_adv)
+                                                            step_adv, self.frozen)
         outs.append(out)
     # Fetched once, after the last step: no mini-batch waits for the host to read its metrics.
     for i, out in zip(order, jax.device_get(outs)):

@@ -90,18 +90,26 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
                     param_shardings, opt_shardings):
   """The trainer's two jitted device programs over the policy `graphdef`'s params.
 
+  `params` are the trained parameters: all of them, or the LoRA adapters alone, with the frozen
+  base passed as `frozen` (the rest of `nnx.split(model, nnx.LoRAParam, ...)`; None when `params`
+  are the whole model): the base is neither differentiated, nor held by the optimizer, nor
+  donated.
+
   Returns (logprobs, train_step):
-    logprobs(params, input_ids, targets, attention_mask, positions) -> f32[rows, L] token
-      log-probs (the old and reference log-prob phases), in sequential passes of
+    logprobs(params, input_ids, targets, attention_mask, positions, frozen=None) -> f32[rows, L]
+      token log-probs (the old and reference log-prob phases), in sequential passes of
       `config.logprob_microbatch_rows` rows (default `config.microbatch_rows`; 0: all at once).
-    train_step(params, opt_state, mb, step_adv) -> (params, opt_state, metrics): one PPO-clip
-      step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl. ref_logprobs),
-      micro-batched per `config.microbatch_rows`; params and opt_state are donated and come back
-      on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite loss or
-      gradient leaves both unchanged and sets metrics['skipped'].
+    train_step(params, opt_state, mb, step_adv, frozen=None) -> (params, opt_state, metrics): one
+      PPO-clip step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl.
+      ref_logprobs), micro-batched per `config.microbatch_rows`; params and opt_state are donated
+      and come back on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite
+      loss or gradient leaves both unchanged and sets metrics['skipped'].
   """
-  def batch_logprobs(params, mb):
-    return token_logprobs(nnx.merge(graphdef, params), mb["input_ids"], mb["targets"],
+  def policy(params, frozen):
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+  def batch_logprobs(params, mb, frozen):
+    return token_logprobs(policy(params, frozen), mb["input_ids"], mb["targets"],
                           mb["attention_mask"], positions=mb["positions"],
                           chunk_size=config.logprob_chunk)
 
@@ -109,12 +117,12 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
   logprobs_in_passes = microbatched_rows(batch_logprobs, rows // logprob_rows if logprob_rows
                                          else 1)
 
-  def logprobs(params, ids, tg, am, pos):
+  def logprobs(params, ids, tg, am, pos, frozen=None):
     return logprobs_in_passes(params, dict(input_ids=ids, targets=tg, attention_mask=am,
-                                           positions=pos))
+                                           positions=pos), frozen)
 
-  def loss_fn(p, mb, step_adv):
-    model = nnx.merge(graphdef, p)
+  def loss_fn(p, mb, step_adv, frozen):
+    model = policy(p, frozen)
     logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
                                            mb["attention_mask"], positions=mb["positions"],
                                            chunk_size=config.logprob_chunk)
@@ -139,9 +147,9 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
   grad_fn = microbatched_value_and_grad(
       loss_fn, micro, has_aux=True, weight_fn=loss_weight, aux_weight_fn=metric_weights)
 
-  def train_step(params, opt_state, mb, step_adv):
+  def train_step(params, opt_state, mb, step_adv, frozen=None):
     """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
-    (loss, (m, ent)), grads = grad_fn(params, mb, step_adv)
+    (loss, (m, ent)), grads = grad_fn(params, mb, step_adv, frozen)
     gnorm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
     updates, new_opt = tx.update(grads, opt_state, params)

@@ -49,10 +49,14 @@ CASES = [
     ((TW, "--weight-decay", "-0.1", "--out", "{tmp}/r"), ("weight_decay",)),
     ((WS, "--out", "{file}"), ("out", "{file}", "not a folder")),
     ((WS, "--sft-warmstart", "--sft-steps", "0", "--out", "{tmp}/r"), ("--sft-steps",)),
+    ((ALF, "--lora-rank", "-1", "--out", "{tmp}/r"), ("lora_rank", "-1")),
+    ((TW, "--lora-rank", "8", "--lora-targets", ".*qproj", "--out", "{tmp}/r"),
+     ("lora_targets", "'.*qproj'", "matches no projection")),
     # the behaviour-cloning warm start
     ((SFT, "--out", "{file}"), ("out", "{file}")),
     ((SFT, "--model", "{model}", "--out", "{tmp}/r"), ("--model", "vocab_size")),
     ((SFT, "--demos", "0"), ("--demos",)),
+    ((SFT, "--lora-rank", "4", "--lora-alpha", "0", "--out", "{tmp}/r"), ("lora_alpha",)),
     # the learning check (TrainConfig fields through --set)
     ((LC, "--set", 'env_kwargs={"bogus": 1}'), ("env_kwargs", "bogus", "num_rooms")),
     ((LC, "--warm-seed", "0", "--warm-dir", "{file}"), ("--warm-dir", "{file}")),

@@ -617,51 +617,6 @@ def test_mesh_4x2_matches_one_device(tmp_path):
                              rtol=0)
 
 
-QWIX_QWEN2_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # qwix 0.1.8 reads Variable.value
-@pytest.mark.parametrize("bias", [True, False])  # Qwen2 (q/k/v bias) and Llama / SmolLM2
-def test_qwix_lora_wraps_all_seven_projections_of_every_layer(bias):
-  """qwix (the LoRA library Tunix uses) with Tunix's Qwen2 module regex finds every projection:
-  an A and a B on all seven of every layer, nothing else. The output is unchanged at init (B = 0)
-  and, with B random, equals the plain model's with each weight merged as W + A B alpha / rank."""
-  qwix = pytest.importorskip("qwix")
-  cfg = ModelConfig.tiny(attention_bias=bias)
-  ids, mask = _prompts(2, 9, seed=1)
-  base = _random_model(cfg, 3)
-  rank, alpha = 4, 8.0
-  provider = qwix.LoraProvider(module_path=QWIX_QWEN2_MODULES, rank=rank, alpha=alpha)
-  lora = qwix.apply_lora_to_model(base, provider, ids, mask, rngs=nnx.Rngs(0))
-  projections = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-                 "mlp": ("gate_proj", "up_proj", "down_proj")}
-  found = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
-      nnx.to_pure_dict(nnx.state(lora, nnx.LoRAParam)))[0]}
-  want = {f"['layers'][{i}]['{part}']['{proj}']['w_lora_{ab}']" for i in range(cfg.num_layers)
-          for part, projs in projections.items() for proj in projs for ab in "ab"}
-  assert found == want
-  np.testing.assert_allclose(np.asarray(_forward(lora, ids, mask)),
-                             np.asarray(_forward(base, ids, mask)), atol=1e-6)
-
-  rng = np.random.default_rng(0)
-  merged = _random_model(cfg, 3)
-  for i, layer in enumerate(lora.layers):
-    for part, projs in projections.items():
-      for proj in projs:
-        module = getattr(getattr(layer, part), proj)
-        b = rng.normal(0.0, 0.1, module.w_lora_b[...].shape).astype(np.float32)
-        module.w_lora_b[...] = b
-        # A: [contracted axes of W, rank], B: [rank, W's other axes] (qwix may flatten either
-        # side); every projection stores its contracted axes first.
-        a = np.asarray(module.w_lora_a[...]).reshape(-1, rank)
-        target = getattr(getattr(merged.layers[i], part), proj).w
-        delta = (a @ b.reshape(rank, -1)).reshape(target.shape) * alpha / rank
-        target[...] = np.asarray(target[...]) + delta
-  got, ref = (np.asarray(_forward(m, ids, mask)) for m in (lora, merged))
-  assert np.abs(got - np.asarray(_forward(base, ids, mask))).max() > 1e-2  # LoRA moved it
-  np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
-
-
 def test_einsum_projection_against_numpy_and_bad_equations():
   """`Einsum` contracts x's trailing axes with the weight's in the weight's order, over any
   leading axes (as numpy's einsum does); an equation that is not 'T<contracted>,<weight>->T<kept>'

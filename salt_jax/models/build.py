@@ -2,7 +2,8 @@
 
   build_tokenizer(config)          the --model folder's, the offline Qwen2.5, a toy BPE or a folder
   policy_config(config, tokenizer) (ModelConfig, parameter dtype), without building the model
-  build_policy(config, tokenizer, mesh)  the `CausalLM` on `mesh`: loaded, or the tiny random one
+  build_policy(config, tokenizer, mesh)  the `CausalLM` on `mesh`: loaded, or the tiny random one,
+                                         with --init-params and LoRA adapters (--lora-rank)
   save_params(path, params) / load_params(path, like)   an orbax params tree (e.g. a warm start)
 """
 
@@ -22,6 +23,7 @@ from salt_jax.models.config import (  # noqa: F401  (TINY_POLICY: this module's 
     TINY_POLICY, ModelConfig, read_model_config, tiny_policy_config)
 from salt_jax.models.gguf import is_gguf_file, load_gguf_tokenizer
 from salt_jax.models.loading import from_pretrained
+from salt_jax.models.lora import apply_lora
 from salt_jax.models.partitioning import shard_model
 from salt_jax.models.qwen2 import CausalLM
 
@@ -95,19 +97,33 @@ def policy_config(config: TrainConfig, tokenizer) -> tuple[ModelConfig, jnp.dtyp
 
 
 def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
-  """The policy `CausalLM`: loaded from `config.model` (a folder or a .gguf file), else the tiny
-  random Qwen2."""
+  """The policy `CausalLM` on `mesh`: loaded from `config.model` (a folder or a .gguf file), else
+  the tiny random Qwen2; then `config.init_params` loaded over it, then LoRA adapters on it when
+  `config.lora_rank` (`salt_jax.models.lora`: the weights so far are the frozen base)."""
   if config.model is not None:
     # float32 by default whatever the checkpoint holds: AdamW steps of ~1e-6 on bf16 weights
     # round away (bf16 keeps 8 bits of mantissa), so a bf16 policy would not learn at the paper's lr.
-    return from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype),
-                           attention_impl=config.attention_impl,
-                           remat_policy=config.remat_policy,
-                           compute_dtype=config.compute_dtype)
-  mcfg, param_dtype = policy_config(config, tokenizer)
-  compute = param_dtype if config.compute_dtype is None else jnp.dtype(config.compute_dtype)
-  return shard_model(CausalLM(mcfg, rngs=nnx.Rngs(config.seed), dtype=compute,
-                              param_dtype=param_dtype), mesh)
+    model = from_pretrained(config.model, mesh=mesh, dtype=jnp.dtype(config.param_dtype),
+                            attention_impl=config.attention_impl,
+                            remat_policy=config.remat_policy,
+                            compute_dtype=config.compute_dtype)
+  else:
+    mcfg, param_dtype = policy_config(config, tokenizer)
+    compute = param_dtype if config.compute_dtype is None else jnp.dtype(config.compute_dtype)
+    model = shard_model(CausalLM(mcfg, rngs=nnx.Rngs(config.seed), dtype=compute,
+                                 param_dtype=param_dtype), mesh)
+  if config.init_params is not None:
+    nnx.update(model, load_params(config.init_params, nnx.state(model, nnx.Param)))
+  if config.lora_rank:
+    apply_lora(model, rank=config.lora_rank, alpha=lora_alpha(config),
+               targets=config.lora_targets, seed=config.seed)
+    shard_model(model, mesh)  # the adapters on the mesh, as their base weights
+  return model
+
+
+def lora_alpha(config: TrainConfig) -> float:
+  """The run's LoRA alpha (`config.lora_alpha`, default the rank: a scale of 1)."""
+  return float(config.lora_rank if config.lora_alpha is None else config.lora_alpha)
 
 
 def load_params(path: str, like):

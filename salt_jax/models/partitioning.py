@@ -6,7 +6,8 @@ activations split over `data` along the batch. Each field of `ShardingRules` nam
 the letters of its axes, so the name tells the layout:
 
   b batch, t time (query), s key slot, d d_model, v vocab, n query heads, k kv heads,
-  h head_dim, f MLP width, l layer.
+  h head_dim, f MLP width, l layer; for LoRA adapters (`salt_jax.models.lora`) r the rank and
+  m any axis the base weight splits over `model` (heads, MLP width).
 
 A dimension that the mesh axis does not divide (e.g. 2 KV heads on a model axis of 4) is left
 replicated on that axis instead of failing: `fit_spec` drops it.
@@ -38,6 +39,11 @@ class ShardingRules:
   ffw_weight_df: P = P(_D, _M)
   ffw_weight_fd: P = P(_M, _D)
   norm_d: P = P(None)
+  # LoRA adapters A [in, r] and B [r, out], split as the base weight's first in / out axis is.
+  lora_a_dr: P = P(_D, None)
+  lora_a_mr: P = P(_M, None)
+  lora_b_rd: P = P(None, _D)
+  lora_b_rm: P = P(None, _M)
   # Activations.
   act_btd: P = P(_D, None, None)
   act_btd_kept: P = P(_D, _M, None)  # a layer input kept for the backward pass (see remat)

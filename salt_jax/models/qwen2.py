@@ -149,8 +149,8 @@ class Einsum(nnx.Module):
   axes are flattened into T first and restored after (over [B, T, ...] the weight gradient would
   contract two axes, for which XLA:CPU transposes whole activations). The weight goes unreshaped
   into one `lax.dot_general` whose contracted axes keep the weight's order, which is what a LoRA
-  library intercepting a module Param's contractions can wrap (qwix, as Tunix uses it; tested on
-  every projection). `jnp.einsum` would contract the axes in alphabetical order: o_proj's
+  library intercepting a module Param's contractions can wrap (qwix, as Tunix uses it:
+  `salt_jax.models.lora` wraps each projection). `jnp.einsum` would contract the axes in alphabetical order: o_proj's
   'TNH,NHD->TD' as (H, N), for which XLA:CPU transposes the weight at every call.
   """
 
