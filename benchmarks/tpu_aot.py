@@ -22,6 +22,11 @@ to 4,096) with the flags below on top; `--set FIELD=VALUE` sets any other field,
 lengths in verl-agent's `run_appworld.sh`: `--prompt-len 16384 --set max_new_tokens=2048
 --set max_cache_len=18432`.
 
+`--lora-rank R` compiles the trainer's LoRA programs (`--lora-rank` of a run): float32 qwix
+adapters on the base's seven projections, the base frozen in `--param-dtype` and passed to the
+update and log-probs as an argument, the adapters and their AdamW state donated, the reference the
+initial adapters; the sampler runs with the adapters on.
+
 `--num-layers N` compiles the preset with N decoder layers (same widths): a full-depth compile of
 7B or 32B takes 20 minutes to hours on a shared 2-core host, while 1- and 2-layer compiles take
 2 to 5 minutes and `tpu_aot_table.py` carries them to full depth (each layer adds the same bytes
@@ -72,10 +77,9 @@ from jax.sharding import Mesh  # noqa: E402
 from bench_gpu import chip_limits  # noqa: E402
 from salt_jax import batching, sampling, update  # noqa: E402
 from salt_jax.config import PARAM_DTYPES, TrainConfig, parse_overrides  # noqa: E402
-from salt_jax.models import (CausalLM, ModelConfig, default_attention_impl,  # noqa: E402
-                             param_shardings)
+from salt_jax.models import CausalLM, ModelConfig, default_attention_impl, lora  # noqa: E402
 from salt_jax.models.config import PRESETS, REMAT_POLICIES  # noqa: E402
-from salt_jax.models.partitioning import ActivationSharding  # noqa: E402
+from salt_jax.models.partitioning import ActivationSharding, shardings_for_state  # noqa: E402
 from salt_jax.recipes import RECIPES  # noqa: E402
 from salt_jax.sharding import batch_sharding, make_mesh, replicated  # noqa: E402
 
@@ -172,21 +176,29 @@ def preset_config(model_name: str, config: TrainConfig, num_layers: int | None =
   return model_config
 
 
-def abstract_policy(config: ModelConfig, mesh: Mesh, dtype,
-                    compute_dtype=None) -> tuple[CausalLM, Any, Any]:
+def abstract_policy(config: ModelConfig, mesh: Mesh, dtype, compute_dtype=None, *,
+                    lora_rank: int = 0, lora_alpha: float | None = None
+                    ) -> tuple[CausalLM, Any, Any]:
   """(model, graphdef, params) of `CausalLM(config)` with `dtype` parameters (computing in
   `compute_dtype`, default `dtype`) on `mesh`, allocating nothing: params are ShapeDtypeStructs
   on the trainer's parameter shardings, and the model constrains its activations as
-  `shard_model` makes it. A config that names no attention implementation gets the one for the
+  `shard_model` makes it. With `lora_rank` the model carries the trainer's qwix adapters on all
+  seven projections (float32, alpha default the rank; `salt_jax.models.lora`) and params hold
+  them beside the base. A config that names no attention implementation gets the one for the
   mesh's platform, not this host's."""
   if config.attention_impl is None:
     config = dataclasses.replace(config, attention_impl=default_attention_impl(mesh))
   compute = dtype if compute_dtype is None else jnp.dtype(compute_dtype)
-  model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), dtype=compute,
-                                          param_dtype=dtype))
+
+  def build():
+    model = CausalLM(config, rngs=nnx.Rngs(0), dtype=compute, param_dtype=dtype)
+    if lora_rank:
+      lora.apply_lora(model, rank=lora_rank, alpha=float(lora_alpha or lora_rank))
+    return model
+  model = nnx.eval_shape(build)
   model.activation_sharding = ActivationSharding(mesh)
   graphdef, state = nnx.split(model)
-  shardings = param_shardings(config, mesh)
+  shardings = shardings_for_state(nnx.state(model, nnx.Param), mesh)
   nnx.replace_by_pure_dict(state, jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       nnx.to_pure_dict(state), shardings))
@@ -308,11 +320,16 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
   """
   cfg = shape.config
   dtype = jnp.dtype(cfg.param_dtype)
-  _, graphdef, params = abstract_policy(model_config, mesh, dtype, cfg.compute_dtype)
+  _, graphdef, params = abstract_policy(model_config, mesh, dtype, cfg.compute_dtype,
+                                        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
+  frozen = None
+  if cfg.lora_rank:  # as the trainer splits it: the adapters train, the base is an argument
+    params, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
   tx = update.optimizer(cfg, update.lr_schedule(cfg))
   opt_state = abstract_opt_state(tx, params, mesh)
-  ref_params = with_dtype(params, shape.ref_dtype)
-  param_b, opt_b, ref_b = map(device_bytes, (params, opt_state, ref_params))
+  # With LoRA the reference is the initial adapters on the same base.
+  ref_params = params if cfg.lora_rank else with_dtype(params, shape.ref_dtype)
+  param_b, opt_b, ref_b, frozen_b = map(device_bytes, (params, opt_state, ref_params, frozen))
   step_adv = step_advantages(cfg, mesh)
 
   def programs_for(config, rows):
@@ -323,8 +340,9 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
   def args_for(name, rows, length, params_in):
     mb = minibatch(mesh, rows, length)
     if name == "update":
-      return (params_in, opt_state, mb, step_adv)
-    return (params_in, mb["input_ids"], mb["targets"], mb["attention_mask"], mb["positions"])
+      return (params_in, opt_state, mb, step_adv, frozen)
+    return (params_in, mb["input_ids"], mb["targets"], mb["attention_mask"], mb["positions"],
+            frozen)
 
   out = {}
   logprobs, train_step = programs_for(cfg, shape.rows)
@@ -363,7 +381,7 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
                     else None)
     report.note = (report.note + f"; flops: {flop_rows}-row twin x {shape.rows // flop_rows}"
                    ).strip("; ")
-  out["_state"] = dict(params=param_b, opt_state=opt_b, ref_params=ref_b)
+  out["_state"] = dict(params=param_b, opt_state=opt_b, ref_params=ref_b, frozen=frozen_b)
   return out
 
 
@@ -373,7 +391,8 @@ def compile_sampler(shape: RunShape, mesh: Mesh, model_config: ModelConfig, prom
   """The sampler's prefill and decode programs for a full batch of `prompt_len`-token prompts."""
   cfg = shape.config
   dtype = jnp.dtype(cfg.param_dtype)
-  model, _, params = abstract_policy(model_config, mesh, dtype, cfg.compute_dtype)
+  model, _, params = abstract_policy(model_config, mesh, dtype, cfg.compute_dtype,
+                                     lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
   sampler = sampling.Sampler(
       model, eos_token_ids=list(model_config.eos_token_ids) or [0], pad_token_id=0,
       max_cache_len=cfg.max_cache_len, mesh=mesh,
@@ -449,7 +468,9 @@ def format_report(reports: Mapping[str, ProgramReport], state: Mapping[str, int]
                   limit: int | None, utilisation: float) -> str:
   lines = [f"per device ({chip['kind']}, {chip['devices_per_chip']} device(s) per chip): "
            f"params {_gib(state['params'])} GiB, optimizer state {_gib(state['opt_state'])} GiB, "
-           f"reference params {_gib(state['ref_params'])} GiB; HBM {_gib(chip['hbm'])} GiB "
+           f"reference params {_gib(state['ref_params'])} GiB"
+           + (f", frozen base {_gib(state['frozen'])} GiB" if state.get("frozen") else "")
+           + f"; HBM {_gib(chip['hbm'])} GiB "
            f"nominal, {_gib(limit)} GiB the compiler allows",
            f"{'program':9} {'fits':>4} {'resident':>8} {'args':>7} {'out-alias':>9} "
            f"{'temp':>7} {'total':>7} {'TFLOP':>8} {'s@peak':>8} {'s@' + format(utilisation, '.0%'):>8}"
@@ -501,6 +522,9 @@ def main(argv=None) -> int:
   ap.add_argument("--remat-policy", default=None, choices=tuple(REMAT_POLICIES),
                   help="what the update's backward pass recomputes (default: the recipe's)")
   ap.add_argument("--logprob-chunk", type=int, default=None)
+  ap.add_argument("--lora-rank", type=int, default=None,
+                  help="train qwix LoRA adapters of this rank on the frozen base, as the "
+                       "trainer's --lora-rank does (the base in --param-dtype, adapters float32)")
   ap.add_argument("--utilisation", type=float, default=0.4,
                   help="share of peak FLOP/s assumed for the second step time")
   ap.add_argument("--resident-as-args", action="store_true",
@@ -521,7 +545,8 @@ def main(argv=None) -> int:
                                      microbatch_rows=args.microbatch_rows,
                                      logprob_microbatch_rows=args.logprob_microbatch_rows,
                                      remat_policy=args.remat_policy,
-                                     logprob_chunk=args.logprob_chunk).items() if v is not None}
+                                     logprob_chunk=args.logprob_chunk,
+                                     lora_rank=args.lora_rank).items() if v is not None}
   try:
     overrides = {**parse_overrides(args.set), **overrides}
   except ValueError as e:
@@ -545,7 +570,9 @@ def main(argv=None) -> int:
   if args.prompt_len + config.max_new_tokens > config.max_cache_len:
     ap.error(f"--prompt-len {args.prompt_len} + max_new_tokens {config.max_new_tokens} exceeds "
              f"max_cache_len {config.max_cache_len}: raise it with --set max_cache_len=N")
-  ref_dtype = jnp.dtype(args.ref_dtype or config.param_dtype)
+  # With LoRA the reference is the initial adapters, float32 whatever the base's dtype.
+  ref_dtype = jnp.dtype("float32" if config.lora_rank
+                        else args.ref_dtype or config.param_dtype)
   shape = run_shape(config, mesh, args.prompt_len, ref_dtype)
   model_config = preset_config(args.model, config, args.num_layers)
   chip = chip_figures(mesh)
@@ -553,7 +580,9 @@ def main(argv=None) -> int:
   print(f"{args.model} ({model_config.num_layers} layers) on {args.topology} "
         f"({mesh.devices.size} devices), mesh {args.mesh}; "
         f"params {config.param_dtype}, compute {config.compute_dtype or config.param_dtype}, "
-        f"reference {ref_dtype.name}; mini-batch {shape.rows} rows "
+        + (f"LoRA rank {config.lora_rank} (float32 adapters; the reference: their initial "
+           "values)" if config.lora_rank else f"reference {ref_dtype.name}")
+        + f"; mini-batch {shape.rows} rows "
         f"x {shape.seq_len} tokens, micro-batch {config.microbatch_rows or shape.rows} rows, "
         f"log-prob pass {config.logprob_microbatch_rows or config.microbatch_rows or shape.rows} "
         f"rows, remat {config.remat_policy}, "
@@ -563,7 +592,8 @@ def main(argv=None) -> int:
                            [p for p in programs if p in ("update", "logprobs")],
                            flops=not args.no_flops, resident_as_args=args.resident_as_args)
   state = reports.pop("_state")
-  resident = state["opt_state"] + state["ref_params"]  # the sampler takes the params
+  # the sampler takes the params (with LoRA the base and the adapters)
+  resident = state["opt_state"] + state["ref_params"]
   sampler_programs = [p for p in programs if p in ("prefill", "decode")]
   if sampler_programs:
     reports.update(compile_sampler(shape, mesh, model_config, args.prompt_len, sampler_programs,

@@ -73,6 +73,8 @@ def _key(d: dict, name: str) -> tuple:
   dtype = c["param_dtype"]
   if c.get("compute_dtype") not in (None, dtype):
     dtype += f" ({c['compute_dtype']} compute)"
+  if c.get("lora_rank"):
+    dtype += f" + LoRA {c['lora_rank']}"
   return (d["model"], d["topology"], d.get("chip_config"), d["mesh"], dtype,
           d["ref_dtype"], minibatch, rows_a_pass,
           f"{d.get('prompt_len', 2048):,} + {c['max_new_tokens']:,}", label)
@@ -113,7 +115,7 @@ def rows(files: list[str]) -> list[dict]:
     if any(k[:6] == skey for k in by_key):
       continue
     st = d["state"]
-    total = st["params"] + st["opt_state"] + st["ref_params"]
+    total = st["params"] + st["opt_state"] + st["ref_params"] + st.get("frozen", 0)
     out.append(dict(key=skey, model=d["model"], topology=_slice(d), mesh=d["mesh"], dtype=skey[4],
                     ref_dtype=skey[5], micro=None, minibatch=None, tokens="-",
                     program="(state alone)", parts=(total, 0, 0, 0), total=total,
@@ -165,7 +167,8 @@ def markdown(table: list[dict]) -> str:
            "total / allowed | basis |", "| " + " | ".join(["---"] * 15) + " |"]
   for r in table:
     st = r["state"]
-    state = "-" if not st else f"{g(st['params'])}, {g(st['opt_state'])}, {g(st['ref_params'])}"
+    state = "-" if not st else (f"{g(st['params'])}, {g(st['opt_state'])}, {g(st['ref_params'])}"
+                                + (f"; frozen base {g(st['frozen'])}" if st.get("frozen") else ""))
     micro = "-" if r["minibatch"] is None else f"{r['micro'] or r['minibatch']} / {r['minibatch']}"
     lines.append(
         f"| {r['model']} | {r['topology']} | {r['mesh']} | {r['dtype']} / {r['ref_dtype']} | "

@@ -104,7 +104,8 @@ def test_the_sampler_runs_through_the_adapters():
 
 def test_targets_pick_projections_and_sharding_follows_the_base():
   """A regex over 'layers/<i>/<attn|mlp>/<name>' picks the wrapped projections; on a 2x2 mesh
-  each A / B is split as its base weight's first input / output axis."""
+  each A / B is split as its base weight's first input / output axis, its rank over the other
+  mesh axis, and the model's log-probs are the unsharded base's (B = 0)."""
   cfg = ModelConfig.tiny()
   model = lora.apply_lora(_random_model(cfg), rank=2, alpha=2.0, targets="layers/0/attn/.*")
   wrapped = {"/".join(map(str, p)) for p, m in model.iter_modules() if hasattr(m, "w_lora_a")}
@@ -120,11 +121,12 @@ def test_targets_pick_projections_and_sharding_follows_the_base():
   shard_model(sharded, mesh)
   attn, mlp = sharded.layers[0].attn, sharded.layers[0].mlp
   spec = lambda v: tuple(v[...].sharding.spec)  # noqa: E731
-  assert spec(attn.q_proj.w_lora_a) == ("data", None)   # A [D, r]
-  assert spec(attn.q_proj.w_lora_b) == (None, "model")  # B [r, N*H]
-  assert spec(attn.o_proj.w_lora_a) == ("model", None)  # A [N*H, r]
-  assert spec(attn.o_proj.w_lora_b) == (None, "data")   # B [r, D]
-  assert spec(mlp.down_proj.w_lora_a) == ("model", None)
+  # The in / out axis as the base weight's, the rank over the other mesh axis.
+  assert spec(attn.q_proj.w_lora_a) == ("data", "model")  # A [D, r]
+  assert spec(attn.q_proj.w_lora_b) == ("data", "model")  # B [r, N*H]
+  assert spec(attn.o_proj.w_lora_a) == ("model", "data")  # A [N*H, r]
+  assert spec(attn.o_proj.w_lora_b) == ("model", "data")  # B [r, D]
+  assert spec(mlp.down_proj.w_lora_a) == ("model", "data")
   ids = _ids(batch=4)
   np.testing.assert_allclose(_logp(sharded, ids), _logp(_random_model(cfg), ids), atol=1e-5)
 
@@ -325,3 +327,23 @@ def test_bad_lora_flags_are_refused_by_the_config(tmp_path):
     with pytest.raises(ValueError, match=match):
       dataclasses.replace(base, **kw).validate()
   dataclasses.replace(base, lora_rank=4, lora_targets="layers/0/mlp/.*").validate()
+
+
+def test_lora_on_a_hugging_face_folder_in_bf16(tmp_path):
+  """--model FOLDER --param-dtype bfloat16 --lora-rank 4: the base loads in bf16 and stays bf16,
+  the adapters are float32 and the projections still compute in bf16; at init the log-probs are
+  the plain bf16 model's exactly."""
+  from salt_jax.models import save_pretrained  # pylint: disable=import-outside-toplevel
+  cfg_m = ModelConfig.tiny(vocab_size=128)
+  save_pretrained(_random_model(cfg_m), str(tmp_path / "m"))
+  cfg = dataclasses.replace(BASE, model=str(tmp_path / "m"), param_dtype="bfloat16",
+                            out=str(tmp_path / "r"))
+  tok = build_tokenizer(cfg)
+  plain = build_policy(cfg, tok, make_mesh("1x1"))
+  model = build_policy(dataclasses.replace(cfg, lora_rank=4), tok, make_mesh("1x1"))
+  assert {x.dtype for x in jax.tree.leaves(lora.lora_state(model))} == {jnp.dtype(jnp.float32)}
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam)))} == {
+      jnp.dtype(jnp.bfloat16)}
+  ids = _ids(vocab=128)
+  assert model.hidden_states(jnp.asarray(ids)).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(_logp(model, ids), _logp(plain, ids))

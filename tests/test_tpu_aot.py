@@ -234,3 +234,27 @@ def test_lora_stand_in_figures_are_the_compiled_programs(mesh):
   remats = [str(jax.make_jaxpr(tpu_aot_lora.lora_step(g, c))(state, mb, adv)).count("remat2[")
             for g, c in ((graphdef, cfg), (plain_graphdef, plain))]
   assert remats[0] - remats[1] == 2
+
+
+def test_lora_update_takes_the_base_as_an_argument_and_donates_only_the_adapters(mesh):
+  """With --lora-rank the compiled update is the trainer's LoRA step: the adapters and their
+  AdamW state are donated, the frozen base is a plain argument, the reference is the adapters
+  (resident); the sampler compiles with the adapters on."""
+  cfg = dataclasses.replace(CONFIG, lora_rank=4)
+  shape = tpu_aot.run_shape(cfg, mesh, PROMPT, jnp.dtype(jnp.float32))
+  reports = tpu_aot.compile_update(shape, mesh, MODEL, ("update",), flops=False)
+  state = reports.pop("_state")
+  full = tpu_aot.compile_update(tpu_aot.run_shape(CONFIG, mesh, PROMPT, jnp.dtype(jnp.float32)),
+                                mesh, MODEL, ("update",), flops=False).pop("_state")
+  assert 0 < state["params"] < full["params"] and state["ref_params"] == state["params"]
+  assert state["frozen"] == full["params"]  # the whole base, once
+  batch_bytes = tpu_aot.device_bytes((tpu_aot.minibatch(mesh, 8, 48),
+                                      tpu_aot.step_advantages(cfg, mesh)))
+  update_report = reports["update"]
+  assert update_report.fits and update_report.resident_bytes == state["ref_params"]
+  assert update_report.argument_bytes == (state["params"] + state["opt_state"] + state["frozen"]
+                                          + batch_bytes)
+  assert update_report.alias_bytes == state["params"] + state["opt_state"]
+  sampler = tpu_aot.compile_sampler(shape, mesh, MODEL, PROMPT, ("prefill",))
+  assert sampler["prefill"].fits
+  assert sampler["prefill"].argument_bytes > state["frozen"] + state["params"]

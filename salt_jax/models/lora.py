@@ -80,9 +80,10 @@ def apply_lora(model: CausalLM, *, rank: int, alpha: float, targets: str | None 
   """Wraps each projection whose path `targets` fully matches (None: every projection) with a
   qwix LoRA adapter, in place.
 
-  Each adapter's A and B are `nnx.LoRAParam`s in the base weight's dtype, placed like the base
-  weight's first contracted / kept axis (their `sharding_rule` metadata names the
-  `ShardingRules` field: `partitioning.shard_model` puts them on a mesh). Returns `model`.
+  Each adapter's A and B are float32 `nnx.LoRAParam`s (a bf16 base stays bf16; the projection's
+  output stays in its compute dtype), placed like the base weight's first contracted / kept axis
+  (their `sharding_rule` metadata names the `ShardingRules` field: `partitioning.shard_model`
+  puts them on a mesh). Returns `model`.
 
   Raises:
     ValueError: rank < 1, alpha <= 0, a bad or unmatched `targets`, a model with adapters already.
@@ -112,8 +113,12 @@ def apply_lora(model: CausalLM, *, rank: int, alpha: float, targets: str | None 
     lhs, rhs = module.equation.split("->")[0].split(",")
     contracted = [c for c in rhs if c in lhs]
     kept = [c for c in rhs if c not in lhs]
-    wrapped.w_lora_a.set_metadata(sharding_rule=f"lora_a_{_axis_kind(contracted[0])}r")
-    wrapped.w_lora_b.set_metadata(sharding_rule=f"lora_b_r{_axis_kind(kept[0])}")
+    for name, rule in (("w_lora_a", f"lora_a_{_axis_kind(contracted[0])}r"),
+                       ("w_lora_b", f"lora_b_r{_axis_kind(kept[0])}")):
+      var = getattr(wrapped, name)
+      # float32 whatever the base's dtype: AdamW's small steps round away on bf16 weights
+      var.set_value(var.get_value().astype(jax.numpy.float32))
+      var.set_metadata(sharding_rule=rule)
     wrapped.lora_scale = float(alpha) / rank
     wrapped.lora_rank = rank
     wrapped.lora_alpha = float(alpha)

@@ -39,11 +39,13 @@ class ShardingRules:
   ffw_weight_df: P = P(_D, _M)
   ffw_weight_fd: P = P(_M, _D)
   norm_d: P = P(None)
-  # LoRA adapters A [in, r] and B [r, out], split as the base weight's first in / out axis is.
-  lora_a_dr: P = P(_D, None)
-  lora_a_mr: P = P(_M, None)
-  lora_b_rd: P = P(None, _D)
-  lora_b_rm: P = P(None, _M)
+  # LoRA adapters A [in, r] and B [r, out]: the in / out axis split as the base weight's first
+  # in / out axis is, the rank over the other mesh axis, so adapters (and their AdamW state) are
+  # split over every device (on a 1x8 mesh a replicated A would hold 32B's at full size).
+  lora_a_dr: P = P(_D, _M)
+  lora_a_mr: P = P(_M, _D)
+  lora_b_rd: P = P(_M, _D)
+  lora_b_rm: P = P(_D, _M)
   # Activations.
   act_btd: P = P(_D, None, None)
   act_btd_kept: P = P(_D, _M, None)  # a layer input kept for the backward pass (see remat)

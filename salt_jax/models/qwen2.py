@@ -176,7 +176,8 @@ class Einsum(nnx.Module):
     flat = x.reshape(-1, *x.shape[x.ndim - n:])
     y = jax.lax.dot_general(flat, self.w[...].astype(self.dtype),
                             ((self.input_axes, self.weight_axes), ((), ())))
-    return y.reshape(*lead, *y.shape[1:])
+    # In the compute dtype even when a LoRA library adds a float32 delta to the contraction.
+    return y.astype(self.dtype).reshape(*lead, *y.shape[1:])
 
 
 class RMSNorm(nnx.Module):
