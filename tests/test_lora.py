@@ -347,3 +347,22 @@ def test_lora_on_a_hugging_face_folder_in_bf16(tmp_path):
   ids = _ids(vocab=128)
   assert model.hidden_states(jnp.asarray(ids)).dtype == jnp.bfloat16
   np.testing.assert_array_equal(_logp(model, ids), _logp(plain, ids))
+
+
+def test_the_command_line_warm_starts_and_trains_with_lora(tmp_path, capsys):
+  """`--sft-warmstart --lora-rank 4` on the toy tasks: the clone trains adapters and saves them
+  merged, the RL run starts from that with new adapters, and its checkpoint holds adapters only."""
+  from salt_jax import cli  # pylint: disable=import-outside-toplevel
+  from tests.test_cli import TOY  # pylint: disable=import-outside-toplevel
+  out = str(tmp_path / "run")
+  flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}"
+           for k, v in TOY.items() if not isinstance(v, bool)]
+  assert cli.main([*flags, "--no-progress", "--no-tensorboard", "--sft-warmstart",
+                   "--sft-steps", "4", "--sft-demos", "4", "--lora-rank", "4",
+                   f"--out={out}"]) == 0
+  assert "[sft] demo NLL" in capsys.readouterr().out
+  saved = TrainConfig.load(os.path.join(out, "config.json"))
+  assert saved.lora_rank == 4 and saved.init_params.endswith("sft_params")
+  from salt_jax import export  # pylint: disable=import-outside-toplevel
+  adapted, _, _, _ = export.load_policy(out, merge=False)
+  assert lora.has_lora(adapted)
