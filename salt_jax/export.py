@@ -104,6 +104,11 @@ def load_policy(run: str, step: Optional[int] = None, *, merge: bool = True):
   from salt_jax.models.build import build_policy, build_tokenizer, policy_config
   from salt_jax.sharding import make_mesh
   cfg = run_config(run)
+  if cfg.lora_rank:  # the checkpoint holds adapters: the base comes from where the run read it
+    for name, path in (("--model", cfg.model), ("--init-params", cfg.init_params)):
+      if path is not None and not os.path.exists(path):
+        raise ValueError(f"the LoRA run in {run} trained adapters on the base from {name} "
+                         f"{path}, which is gone: put it back to export the run")
   step = checkpoint_step(run, step)
   tokenizer = build_tokenizer(cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -277,6 +277,13 @@ def test_export_merged_and_as_a_peft_folder(lora_run, full_run, tmp_path):
 
   with pytest.raises(ValueError, match="--peft exports LoRA adapters"):
     export.export_run(full_run.out, str(tmp_path / "refused"), peft=True)
+  # A LoRA run whose base folder is gone is refused by name, before any checkpoint is read.
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  with open(os.path.join(moved, "config.json"), "w", encoding="utf-8") as f:
+    json.dump({**cfg.to_json(), "init_params": str(tmp_path / "gone")}, f)
+  with pytest.raises(ValueError, match=r"base from --init-params .*gone, which is gone"):
+    export.load_policy(str(moved))
 
 
 def test_sft_with_lora_clones_into_the_adapters_and_saves_them_merged(tmp_path, capsys):
