@@ -81,9 +81,10 @@ def apply_lora(model: CausalLM, *, rank: int, alpha: float, targets: str | None 
   qwix LoRA adapter, in place.
 
   Each adapter's A and B are float32 `nnx.LoRAParam`s (a bf16 base stays bf16; the projection's
-  output stays in its compute dtype), placed like the base weight's first contracted / kept axis
-  (their `sharding_rule` metadata names the `ShardingRules` field: `partitioning.shard_model`
-  puts them on a mesh). Returns `model`.
+  output stays in its compute dtype). A's input axis and B's output axis are split as the base
+  weight's first contracted / kept axis, the rank over the other mesh axis (their
+  `sharding_rule` metadata names the `ShardingRules` field: `partitioning.shard_model` puts them
+  on a mesh). Returns `model`.
 
   Raises:
     ValueError: rank < 1, alpha <= 0, a bad or unmatched `targets`, a model with adapters already.
