@@ -51,8 +51,8 @@ def one_setting(args, rank: int) -> dict:
   from flax import nnx
   from salt_jax.config import TrainConfig
   from salt_jax.models.build import build_policy, build_tokenizer, policy_config
-  from jax.sharding import NamedSharding
-  from salt_jax.sharding import make_mesh, replicated
+  from salt_jax.models import lora
+  from salt_jax.sharding import make_mesh, on_mesh
   from salt_jax.update import optimizer, update_programs
 
   t0 = time.perf_counter()
@@ -63,15 +63,10 @@ def one_setting(args, rank: int) -> dict:
                     max_cache_len=max(8192, args.length + 32), lr=1e-5, out="/tmp/bench_lora")
   tok = build_tokenizer(cfg)
   model = build_policy(cfg, tok, mesh)
-  trainable = nnx.LoRAParam if rank else nnx.Param
-  graphdef, params, frozen = nnx.split(model, trainable, ...)
+  graphdef, params, frozen = nnx.split(model, lora.trained_filter(model), ...)
   ref = jax.tree.map(lambda x: x.copy(), params)  # the trainer's reference copy
   tx = optimizer(cfg, lambda _: cfg.lr)
-  # As the trainer does: optax's step counters onto the mesh, so the second call does not
-  # compile again for the first call's output shardings.
-  opt_state = jax.tree.map(
-      lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
-      else jax.device_put(x, replicated(mesh)), tx.init(params))
+  opt_state = on_mesh(tx.init(params), mesh)  # as the trainer places it
   shard_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
   _, train_step = update_programs(cfg, graphdef, tx, args.rows, shard_of(params),
                                   shard_of(opt_state))

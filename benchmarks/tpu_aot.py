@@ -193,7 +193,7 @@ def abstract_policy(config: ModelConfig, mesh: Mesh, dtype, compute_dtype=None, 
   def build():
     model = CausalLM(config, rngs=nnx.Rngs(0), dtype=compute, param_dtype=dtype)
     if lora_rank:
-      lora.apply_lora(model, rank=lora_rank, alpha=float(lora_alpha or lora_rank))
+      lora.apply_lora(model, rank=lora_rank, alpha=lora_alpha)
     return model
   model = nnx.eval_shape(build)
   model.activation_sharding = ActivationSharding(mesh)

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from salt_jax.agent.reasoning import REASONERS
+from salt_jax.config import DEFAULT_LORA_TARGETS
 from salt_jax.cli import use_cpu_devices
 
 
@@ -38,8 +39,8 @@ def main(argv=None) -> int:
                  help="clone into LoRA adapters of this rank over the frozen model (0: every "
                  "parameter); the saved params have the adapters merged in")
   p.add_argument("--lora-alpha", type=float, default=None, help="default: the rank")
-  p.add_argument("--lora-targets", default=None, help="regex over projection paths (default: "
-                 "all seven projections)")
+  p.add_argument("--lora-targets", default=DEFAULT_LORA_TARGETS,
+                 help="regex over projection paths (default: all seven projections)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   if args.steps < 1 or args.demos < 1 or not args.lr > 0:
@@ -60,8 +61,7 @@ def main(argv=None) -> int:
                     max_steps=args.max_steps or (6 if args.env == "toy" else 8),
                     max_cache_len=args.max_cache_len, seed=args.seed,
                     lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                    out=args.out or f"runs/{args.env}_sft",
-                    **({} if args.lora_targets is None else {"lora_targets": args.lora_targets}))
+                    lora_targets=args.lora_targets, out=args.out or f"runs/{args.env}_sft")
   try:
     cfg.validate()
   except ValueError as e:

@@ -198,8 +198,7 @@ def behaviour_clone(model, batch: batching.TokenBatch, config: SFTConfig = SFTCo
   tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                    optax.adamw(sched, weight_decay=config.weight_decay))
   # With LoRA adapters only they train (the base passes through frozen, not donated or copied).
-  trained = nnx.LoRAParam if lora.has_lora(model) else nnx.Param
-  graphdef, state, frozen = nnx.split(model, trained, ...)
+  graphdef, state, frozen = nnx.split(model, lora.trained_filter(model), ...)
   opt_state = tx.init(state)
 
   @jax.jit

@@ -57,3 +57,13 @@ def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def on_mesh(tree, mesh: Mesh):
+  """`tree` with every array not already on a NamedSharding replicated over `mesh` (optax makes
+  its step counters on one device): a jitted program then sees every input on the mesh, and its
+  second call does not compile again for the first call's output shardings."""
+  def one(x):
+    return x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(
+        x, replicated(mesh))
+  return jax.tree.map(one, tree)

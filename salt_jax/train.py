@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from envs import registry
 from salt_jax import batching
@@ -57,10 +56,12 @@ from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
 from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
+from salt_jax.models import lora
 from salt_jax.models.build import build_policy, build_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import length_buckets
-from salt_jax.sharding import DATA_AXIS, batch_sharding, make_mesh, parse_mesh_shape, replicated
+from salt_jax.sharding import (DATA_AXIS, batch_sharding, make_mesh, on_mesh, parse_mesh_shape,
+                               replicated)
 from salt_jax.update import (estimator_options, lr_schedule, optimizer, step_advantages_program,
                              update_programs)
 
@@ -317,7 +318,7 @@ class Trainer:
         cfg, self.tokenizer, sampler_mesh)
     # Trained: every parameter, or with LoRA the adapters alone; `frozen` is the rest (the base,
     # shared with `self.model`: held once, never donated, differentiated or given to AdamW).
-    self.trainable = nnx.LoRAParam if cfg.lora_rank else nnx.Param
+    self.trainable = lora.trained_filter(self.model)
     self.graphdef, params, self.frozen = nnx.split(self.model, self.trainable, ...)
     self.params = params
     # The reference is the initial policy: with LoRA the base with its initial adapters (B = 0,
@@ -326,12 +327,7 @@ class Trainer:
     self.ref_fingerprints = checkpoint.fingerprints(self._reference_tree())
     self.schedule = lr_schedule(cfg)
     self.tx = optimizer(cfg, self.schedule)
-    # optax makes its step counters on one device: replicate them over the mesh, so the jitted
-    # update sees every input on the mesh's devices.
-    def on_mesh(x):
-      named = isinstance(getattr(x, "sharding", None), NamedSharding)
-      return x if named else jax.device_put(x, replicated(self.mesh))
-    self.opt_state = jax.tree.map(on_mesh, self.tx.init(params))
+    self.opt_state = on_mesh(self.tx.init(params), self.mesh)
     # On the mesh like every other piece of state, so a checkpoint restores it there (a key on
     # one device meets the params on all of them in the sampler); orbax saves only arrays on the
     # global mesh in a multi-process run.

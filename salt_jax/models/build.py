@@ -115,15 +115,10 @@ def build_policy(config: TrainConfig, tokenizer, mesh) -> CausalLM:
   if config.init_params is not None:
     nnx.update(model, load_params(config.init_params, nnx.state(model, nnx.Param)))
   if config.lora_rank:
-    apply_lora(model, rank=config.lora_rank, alpha=lora_alpha(config),
+    apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha,
                targets=config.lora_targets, seed=config.seed)
     shard_model(model, mesh)  # the adapters on the mesh, as their base weights
   return model
-
-
-def lora_alpha(config: TrainConfig) -> float:
-  """The run's LoRA alpha (`config.lora_alpha`, default the rank: a scale of 1)."""
-  return float(config.lora_rank if config.lora_alpha is None else config.lora_alpha)
 
 
 def load_params(path: str, like):

@@ -2,6 +2,7 @@
 
   apply_lora(model, rank=R, alpha=A, targets=REGEX, seed=S)  A and B on matched projections
   lora_state(model) / has_lora(model)              the adapters alone, as nnx.LoRAParam
+  trained_filter(model)                            what a run trains: the adapters, or all params
   merged(model) / merged_params(model)             a plain CausalLM / its weights, W + A B alpha / R
   peft_tensors(model) / peft_config(model, ...)    the adapters in PEFT's names and layout
   projection_paths(num_layers) / check_targets(targets, num_layers)   what `targets` can match
@@ -29,11 +30,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from salt_jax.models.loading import hf_tensor_specs, hf_tensors, load_state_dict
 from salt_jax.models.qwen2 import CausalLM, Einsum
 
 _PROJECTIONS = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
                 ("mlp", ("gate_proj", "up_proj", "down_proj")))
-_HF_PART = {"attn": "self_attn", "mlp": "mlp"}
 
 
 def projection_paths(num_layers: int) -> list[str]:
@@ -75,10 +76,10 @@ def _axis_kind(letter: str) -> str:
   return "d" if letter == "D" else "m"
 
 
-def apply_lora(model: CausalLM, *, rank: int, alpha: float, targets: str | None = None,
-               seed: int = 0) -> CausalLM:
+def apply_lora(model: CausalLM, *, rank: int, alpha: float | None = None,
+               targets: str | None = None, seed: int = 0) -> CausalLM:
   """Wraps each projection whose path `targets` fully matches (None: every projection) with a
-  qwix LoRA adapter, in place.
+  qwix LoRA adapter of scale alpha / rank (alpha None: the rank, a scale of 1), in place.
 
   Each adapter's A and B are float32 `nnx.LoRAParam`s (a bf16 base stays bf16; the projection's
   output stays in its compute dtype). A's input axis and B's output axis are split as the base
@@ -93,6 +94,7 @@ def apply_lora(model: CausalLM, *, rank: int, alpha: float, targets: str | None 
   import qwix
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
     raise ValueError(f"lora rank must be an int >= 1, got {rank!r}")
+  alpha = rank if alpha is None else alpha
   if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
     raise ValueError(f"lora alpha must be > 0, got {alpha!r}")
   if has_lora(model):
@@ -120,7 +122,6 @@ def apply_lora(model: CausalLM, *, rank: int, alpha: float, targets: str | None 
       # float32 whatever the base's dtype: AdamW's small steps round away on bf16 weights
       var.set_value(var.get_value().astype(jax.numpy.float32))
       var.set_metadata(sharding_rule=rule)
-    wrapped.lora_scale = float(alpha) / rank
     wrapped.lora_rank = rank
     wrapped.lora_alpha = float(alpha)
     parent, key = _parent(model, path), path[-1]
@@ -141,6 +142,12 @@ def has_lora(model) -> bool:
   return bool(_adapted(model))
 
 
+def trained_filter(model):
+  """The nnx filter of what a run trains: the adapters when the model has them, else every
+  parameter (`nnx.split(model, trained_filter(model), ...)` gives trained, then frozen)."""
+  return nnx.LoRAParam if has_lora(model) else nnx.Param
+
+
 def lora_state(model) -> nnx.State:
   """The adapters' parameters (what a LoRA run trains and checkpoints)."""
   return nnx.state(model, nnx.LoRAParam)
@@ -150,7 +157,7 @@ def _delta(module) -> np.ndarray:
   """alpha / R * A B in the base weight's shape (host float32)."""
   a = np.asarray(jax.device_get(module.w_lora_a[...]), np.float32)
   b = np.asarray(jax.device_get(module.w_lora_b[...]), np.float32)
-  return (a @ b).reshape(module.w.shape) * module.lora_scale
+  return (a @ b).reshape(module.w.shape) * (module.lora_alpha / module.lora_rank)
 
 
 def merged_params(model, *, adapters: bool = True) -> dict:
@@ -171,25 +178,24 @@ def merged(model: CausalLM, *, adapters: bool = True) -> CausalLM:
   """A plain `CausalLM` (no adapters, on the first device) whose projections are
   W + A B alpha / R: the same outputs as `model` up to rounding (the base alone with
   `adapters=False`)."""
-  # pylint: disable=import-outside-toplevel  (loading imports this module's neighbours)
-  from salt_jax.models.loading import hf_tensors, load_state_dict
   tensors = dict(hf_tensors(merged_params(model, adapters=adapters), model.config))
   return load_state_dict(model.config, tensors, dtype=model.param_dtype,
                          compute_dtype=model.dtype)
 
 
-def hf_module_name(path) -> str:
-  """Hugging Face's name of the projection at `path` ('model.layers.0.self_attn.q_proj')."""
-  _, i, part, name = path
-  return f"model.layers.{i}.{_HF_PART[part]}.{name}"
+def _hf_module_names(config) -> dict:
+  """{projection path: its Hugging Face module name ('model.layers.0.self_attn.q_proj')}, from
+  the one mapping of our parameters to HF tensors (`loading.hf_tensor_specs`)."""
+  return {spec.path[:-1]: name[:-len(".weight")] for name, spec in hf_tensor_specs(config).items()
+          if spec.path[-1] == "w"}
 
 
 def peft_tensors(model) -> dict[str, np.ndarray]:
   """The adapters under PEFT's names and layout: lora_A [R, in], lora_B [out, R] (in / out as the
   Hugging Face weight's [out, in] flattens our axes; every projection keeps HF's order)."""
-  out = {}
+  out, names = {}, _hf_module_names(model.config)
   for path, m in _adapted(model):
-    pre = f"base_model.model.{hf_module_name(path)}"
+    pre = f"base_model.model.{names[tuple(path)]}"
     out[pre + ".lora_A.weight"] = np.ascontiguousarray(
         np.asarray(jax.device_get(m.w_lora_a[...]), np.float32).T)
     out[pre + ".lora_B.weight"] = np.ascontiguousarray(
@@ -210,7 +216,8 @@ def peft_config(model, *, base_model: str | None = None) -> dict:
   short = {p[-1] for p, _ in adapted}
   per_layer = {(p[1], p[-1]) for p, _ in adapted}
   every_layer = per_layer == {(i, s) for i in range(model.config.num_layers) for s in short}
-  targets = sorted(short) if every_layer else sorted(hf_module_name(p) for p, _ in adapted)
+  names = _hf_module_names(model.config)
+  targets = sorted(short) if every_layer else sorted(names[tuple(p)] for p, _ in adapted)
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
           "r": ranks.pop(), "lora_alpha": alphas.pop(), "target_modules": targets,
           "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,

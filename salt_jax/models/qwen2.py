@@ -150,8 +150,9 @@ class Einsum(nnx.Module):
   contract two axes, for which XLA:CPU transposes whole activations). The weight goes unreshaped
   into one `lax.dot_general` whose contracted axes keep the weight's order, which is what a LoRA
   library intercepting a module Param's contractions can wrap (qwix, as Tunix uses it:
-  `salt_jax.models.lora` wraps each projection). `jnp.einsum` would contract the axes in alphabetical order: o_proj's
-  'TNH,NHD->TD' as (H, N), for which XLA:CPU transposes the weight at every call.
+  `salt_jax.models.lora` wraps each projection). `jnp.einsum` would contract the axes in
+  alphabetical order: o_proj's 'TNH,NHD->TD' as (H, N), for which XLA:CPU transposes the weight
+  at every call.
   """
 
   def __init__(self, equation: str, shape: tuple[int, ...], sharding_rule: str, *,
