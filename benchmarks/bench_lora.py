@@ -1,6 +1,6 @@
 """The trainer's update step with LoRA adapters against full fine-tuning, side by side: step time
 and memory of one model (default SmolLM2-135M-Instruct, `python -m salt_jax.models.gguf
-fetch-smollm2`).
+fetch-smollm2`); with --critic, what PPO's critic adds to each (`salt_jax.critic`).
 
 Each setting runs in its own process (so its peak memory is its own): the policy built as the
 trainer builds it (`build_policy`: --lora-rank R adds qwix adapters), its trained / frozen split,
@@ -9,9 +9,13 @@ of `--length` random tokens, the last `--response` of each a loss position, in m
 `--microbatch-rows`. Reported: the first call (trace + compile + run), the mean of `--reps` later
 calls, the bytes of trained parameters, optimizer state, frozen base and reference copy the
 trainer holds, and the process's peak resident memory during the steps (its high-water mark reset
-after setup; the setup's own peak, e.g. dequantizing a GGUF, printed apart).
+after setup; the setup's own peak, e.g. dequantizing a GGUF, printed apart). With --critic the
+critic is built as the trainer builds it for --algo ppo (the trained state copied, a value head;
+its own AdamW) and its two programs are timed on the same rows the same way: the value pass over
+the batch and the value-loss step.
 
   python benchmarks/bench_lora.py                       # full, rank 8, rank 64
+  python benchmarks/bench_lora.py --ranks 0 8 --critic  # PPO: the critic's cost beside each
   python benchmarks/bench_lora.py --ranks 0 8 --rows 4 --length 256 --reps 1 --random
 """
 
@@ -53,6 +57,7 @@ def one_setting(args, rank: int) -> dict:
   from salt_jax.models.build import build_policy, build_tokenizer, policy_config
   from salt_jax.models import lora
   from salt_jax.sharding import make_mesh, on_mesh
+  from salt_jax.critic import critic_optimizer, critic_programs, init_critic
   from salt_jax.update import optimizer, update_programs
 
   t0 = time.perf_counter()
@@ -85,6 +90,16 @@ def one_setting(args, rank: int) -> dict:
   nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
   sizes = {"trained_mib": nbytes(params) / 2**20, "optimizer_mib": nbytes(opt_state) / 2**20,
            "frozen_mib": nbytes(frozen) / 2**20, "reference_mib": nbytes(ref) / 2**20}
+  if args.critic:  # before the policy's params are donated to its first step
+    critic = on_mesh(init_critic(params, model.config.hidden_size, jax.random.key(1)), mesh)
+    critic_tx = critic_optimizer(cfg)
+    critic_opt = on_mesh(critic_tx.init(critic), mesh)
+    values_fn, critic_step = critic_programs(cfg, graphdef, critic_tx, args.rows,
+                                             shard_of(critic), shard_of(critic_opt))
+    critic_mb = {k: mb[k] for k in ("input_ids", "attention_mask", "positions", "loss_mask")}
+    critic_mb.update(old_values=np.zeros(ids.shape, np.float32),
+                     returns=rng.normal(size=ids.shape).astype(np.float32))
+    sizes.update(critic_mib=nbytes(critic) / 2**20, critic_optimizer_mib=nbytes(critic_opt) / 2**20)
   setup_s, setup_peak = time.perf_counter() - t0, _rss_kib("VmHWM")
   reset = _reset_peak()
   t1 = time.perf_counter()
@@ -97,9 +112,30 @@ def one_setting(args, rank: int) -> dict:
     params, opt_state, out = train_step(params, opt_state, mb, step_adv, frozen)
     jax.block_until_ready(out["loss"])
     times.append(time.perf_counter() - t1)
+  timed = {}
+  if args.critic:
+    def run_values():
+      return values_fn(critic, mb["input_ids"], mb["attention_mask"], mb["positions"], frozen)
+
+    def run_critic_step():
+      nonlocal critic, critic_opt
+      critic, critic_opt, out = critic_step(critic, critic_opt, critic_mb, frozen)
+      return out["value_loss"]
+
+    for name, fn in (("values", run_values), ("critic_step", run_critic_step)):
+      t1 = time.perf_counter()
+      jax.block_until_ready(fn())
+      timed[f"{name}_first_call_s"] = round(time.perf_counter() - t1, 2)
+      spent = []
+      for _ in range(args.reps):
+        t1 = time.perf_counter()
+        jax.block_until_ready(fn())
+        spent.append(time.perf_counter() - t1)
+      timed[f"{name}_s"] = round(float(np.mean(spent)), 3)
   return {"setting": f"lora rank {rank}" if rank else "full fine-tuning", "lora_rank": rank,
           "first_call_s": round(first, 2), "step_s": round(float(np.mean(times)), 3),
-          "steps_s": [round(t, 3) for t in times], **{k: round(v, 1) for k, v in sizes.items()},
+          "steps_s": [round(t, 3) for t in times], **timed,
+          **{k: round(v, 1) for k, v in sizes.items()},
           "peak_rss_mib": round(_rss_kib("VmHWM") / 1024, 1) if reset else None,
           "setup_peak_rss_mib": round(setup_peak / 1024, 1), "setup_s": round(setup_s, 1),
           "loss_finite": bool(np.isfinite(float(out["loss"]))), "rows": args.rows,
@@ -120,6 +156,8 @@ def main(argv=None) -> int:
   ap.add_argument("--length", type=int, default=512)
   ap.add_argument("--response", type=int, default=64)
   ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--critic", action="store_true",
+                  help="also time PPO's critic: its value pass and value-loss step")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's rank
   ap.add_argument("--out", default=None, help="append the JSON lines here")
   args = ap.parse_args(argv)
@@ -151,6 +189,12 @@ def main(argv=None) -> int:
     print(f"{r['setting']:<18} {r['step_s']:>7.2f} {r['first_call_s']:>8.1f} "
           f"{r['trained_mib']:>12.1f} {r['optimizer_mib']:>10.1f} {r['reference_mib']:>14.1f} "
           f"{r['peak_rss_mib'] if r['peak_rss_mib'] is not None else '-':>13}")
+  if args.critic:
+    print(f"\n{'setting':<18} {'values s':>9} {'critic step s':>14} {'critic MiB':>11} "
+          f"{'critic AdamW MiB':>17}")
+    for r in rows:
+      print(f"{r['setting']:<18} {r['values_s']:>9.2f} {r['critic_step_s']:>14.2f} "
+            f"{r['critic_mib']:>11.1f} {r['critic_optimizer_mib']:>17.1f}")
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:
       for r in rows:

@@ -3,7 +3,8 @@
 Host side (numpy, no accelerator): `build_merge_ids`, `cross_prompt_merges`,
 `gradient_changing_merges`.
 Device side (pure, jittable, shardable along `data`): `grpo_advantages`, `rloo_advantages`,
-`gigpo_advantages`, `refine`, `token_advantages`, `policy_loss`, `microbatched_value_and_grad`.
+`gigpo_advantages`, `gae_advantages`, `masked_whiten`, `refine`, `token_advantages`,
+`policy_loss`, `value_loss`, `microbatched_value_and_grad`.
 
 The names are imported on first use (`salt_jax.refine` imports `salt_jax.salt`), so that
 `import salt_jax.config` or the command line (`salt_jax.cli`) does not import jax.
@@ -18,8 +19,10 @@ _log.import_tqdm_auto_quietly()  # a notebook without ipywidgets: no tqdm warnin
 _EXPORTS = {
     "microbatched_value_and_grad": "salt_jax.accumulate",
     "count_invalid_rewards": "salt_jax.advantages",
+    "gae_advantages": "salt_jax.advantages",
     "gigpo_advantages": "salt_jax.advantages",
     "grpo_advantages": "salt_jax.advantages",
+    "masked_whiten": "salt_jax.advantages",
     "rloo_advantages": "salt_jax.advantages",
     "MergeIds": "salt_jax.graph",
     "build_merge_ids": "salt_jax.graph",
@@ -30,6 +33,8 @@ _EXPORTS = {
     "aggregate_weight": "salt_jax.loss",
     "kl_estimate": "salt_jax.loss",
     "policy_loss": "salt_jax.loss",
+    "ValueLossMetrics": "salt_jax.loss",
+    "value_loss": "salt_jax.loss",
     "refine": "salt_jax.salt",
     "token_advantages": "salt_jax.salt",
 }

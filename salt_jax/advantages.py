@@ -1,4 +1,5 @@
-"""Critic-free group advantages (device side, jittable, shardable along the batch).
+"""Advantage estimators (device side, jittable, shardable along the batch): critic-free group
+advantages, and GAE over a learned critic's values (PPO).
 
 Every function takes one scalar reward per member and the member's group id (the task it was
 sampled for) and returns one advantage per member. A member is a trajectory (its outcome reward;
@@ -129,8 +130,13 @@ class EstimatorInputs(NamedTuple):
   traj_ids: int32[N], the row's trajectory.
   step_index: int32[N], the row's 0-based step within its trajectory.
   merge_ids: int32[N], SALT's merged-edge ids (`build_merge_ids`); zeros when SALT is off.
-  anchor_ids, step_returns, values: optional f32/int32[N] for estimators that need them (GiGPO's
-    anchor-state groups and discounted step returns, a critic's values); None otherwise.
+  anchor_ids, step_returns: optional int32/f32[N] for GiGPO (its anchor-state groups and
+    discounted step returns); None otherwise.
+  token_rewards, token_values, token_mask, token_step_ids: optional [S, T] for an estimator over
+    a critic's values (`Estimator.critic`): the response tokens of S GAE sequences in order (one
+    per step row, or a trajectory's steps one after another; `batching.gae_sequences`), each
+    step's reward on its last token, the critic's value at each token, which slots hold a token,
+    and the step each belongs to (-1 in padding); None otherwise.
   """
 
   rewards: Any
@@ -142,7 +148,10 @@ class EstimatorInputs(NamedTuple):
   merge_ids: Any
   anchor_ids: Optional[Any] = None
   step_returns: Optional[Any] = None
-  values: Optional[Any] = None
+  token_rewards: Optional[Any] = None
+  token_values: Optional[Any] = None
+  token_mask: Optional[Any] = None
+  token_step_ids: Optional[Any] = None
 
 
 GIGPO_MODES = ("mean_std_norm", "mean_norm")
@@ -195,6 +204,72 @@ def gigpo_advantages(rewards, group_ids, num_groups, step_returns, anchor_ids, *
   return episode + step_advantage_w * step
 
 
+def _finite_sequences(token_rewards, values, mask):
+  """bool[S, 1]: the sequences whose rewards and values are finite at every token of `mask`."""
+  bad = mask & ~(jnp.isfinite(token_rewards) & jnp.isfinite(values))
+  return ~jnp.any(bad, axis=-1, keepdims=True)
+
+
+def gae_advantages(token_rewards, values, mask, *, gamma=1.0, lam=1.0):
+  """Generalized advantage estimation (Schulman et al., 2016) over token sequences, as verl's
+  `compute_gae_advantage_return` computes it (Tunix's `compute_gae_advantages` is the same scan):
+
+    delta_t = r_t + gamma V_next - V_t,   A_t = delta_t + gamma lam A_next,   returns = A + V
+
+  scanned from the last position back; a position off `mask` (an observation or prompt token
+  between two responses, or padding) carries V_next and A_next through unchanged, so a sequence
+  of several responses bootstraps from one response's first token to the previous response's
+  last. Unwhitened (`masked_whiten` is the caller's choice).
+
+  Args:
+    token_rewards: f32[S, T], each position's reward (verl: the step's score on its last token).
+    values: f32[S, T], the critic's value at each position.
+    mask: bool[S, T], the response tokens (the positions that get an advantage).
+    gamma, lam: the discount and GAE's lambda, per position (verl-agent: 1.0 and 1.0).
+  Returns:
+    (advantages, returns), f32[S, T], 0 off the mask. A sequence whose rewards or values are not
+    finite somewhere on its mask gets advantage 0 and returns equal to its values (0 where those
+    are not finite), so it neither moves the policy nor trains the critic.
+  """
+  _checks.check_rank("token_rewards", token_rewards, 2)
+  _checks.check_same_shape("values", values, "token_rewards", token_rewards)
+  mask = _checks.as_mask("mask", mask, token_rewards)
+  if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+    raise ValueError(f"gamma and lam must be in [0, 1], got {gamma} and {lam}")
+  rewards = jnp.asarray(token_rewards, jnp.float32)
+  values = jnp.asarray(values, jnp.float32)
+  ok = _finite_sequences(rewards, values, mask)
+  rewards = jnp.where(ok & mask, rewards, 0.0)
+  v = jnp.where(ok & mask, values, 0.0)
+
+  def back(carry, xs):
+    next_value, next_adv = carry
+    r, value, m = xs
+    adv = r + gamma * next_value - value + gamma * lam * next_adv
+    carry = (jnp.where(m, value, next_value), jnp.where(m, adv, next_adv))
+    return carry, carry[1]
+
+  zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+  _, adv = jax.lax.scan(back, (zeros, zeros), (rewards.T, v.T, mask.T), reverse=True)
+  adv = jnp.where(mask, adv.T, 0.0)
+  returns = jnp.where(mask, jnp.where(ok, adv + v, jnp.nan_to_num(values, nan=0.0, posinf=0.0,
+                                                                   neginf=0.0)), 0.0)
+  return adv, returns
+
+
+def masked_whiten(x, mask, eps=1e-8):
+  """(x - mean) / sqrt(var + eps) over the positions of `mask`, var unbiased (verl's
+  `masked_whiten`); 0 off the mask. One position, or none: 0 (verl raises)."""
+  _checks.check_same_shape("mask", mask, "x", x)
+  mask = jnp.asarray(mask).astype(bool)
+  x = jnp.asarray(x, jnp.float32)
+  n = jnp.sum(mask, dtype=jnp.float32)
+  mean = jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(n, 1.0)
+  centred = jnp.where(mask, x - mean, 0.0)
+  var = jnp.sum(centred * centred) / jnp.maximum(n - 1.0, 1.0)
+  return centred * jax.lax.rsqrt(var + eps)
+
+
 def _over_rewards(fn) -> Callable[[EstimatorInputs, int], jax.Array]:
   """A group estimator of (rewards, group_ids, num_groups, *, mask, stat_mask) as a registry
   entry."""
@@ -214,18 +289,35 @@ def _gigpo(inputs: EstimatorInputs, num_groups: int, *, gigpo_mode: str = "mean_
                           mask=inputs.mask, stat_mask=inputs.stat_mask)
 
 
+def _gae(inputs: EstimatorInputs, num_groups: int, *, gamma: float = 1.0,
+         gae_lambda: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """PPO's advantages from a critic, as verl computes them: `gae_advantages` over the GAE
+  sequences, whitened over every response token of the batch; and the critic's returns."""
+  del num_groups  # a critic's baseline needs no groups
+  adv, returns = gae_advantages(inputs.token_rewards, inputs.token_values, inputs.token_mask,
+                                gamma=gamma, lam=gae_lambda)
+  mask = jnp.asarray(inputs.token_mask).astype(bool)
+  live = mask & _finite_sequences(jnp.asarray(inputs.token_rewards, jnp.float32),
+                                  jnp.asarray(inputs.token_values, jnp.float32), mask)
+  return masked_whiten(adv, live), returns
+
+
 class Estimator(NamedTuple):
   """A registered advantage estimator.
 
-  fn: fn(inputs: EstimatorInputs, num_groups, **options) -> f32[N], one advantage per row.
+  fn: fn(inputs: EstimatorInputs, num_groups, **options) -> f32[N], one advantage per row; with
+    `critic`, -> (advantages, returns), f32[S, T] per token of the GAE sequences.
   options: the `TrainConfig` fields it takes as keyword arguments (static in its program).
   needs: the optional `EstimatorInputs` fields it reads; the host fills those
-    (`batching.estimator_inputs`).
+    (`batching.estimator_inputs`, and `batching.gae_sequences` for a critic's).
+  critic: it reads a learned critic's values: the trainer keeps and trains a critic for it, and
+    its advantages are per token.
   """
 
-  fn: Callable[..., jax.Array]
+  fn: Callable[..., Any]
   options: tuple[str, ...] = ()
   needs: tuple[str, ...] = ()
+  critic: bool = False
 
 
 # The advantage estimators by name. A new estimator is one function of the inputs and one entry
@@ -236,6 +328,9 @@ ESTIMATORS: dict[str, Estimator] = {
     "drgrpo": Estimator(_over_rewards(drgrpo_advantages)),
     "gigpo": Estimator(_gigpo, options=("gigpo_mode", "step_advantage_w"),
                        needs=("step_returns", "anchor_ids")),
+    "ppo": Estimator(_gae, options=("gamma", "gae_lambda"),
+                     needs=("token_rewards", "token_values", "token_mask", "token_step_ids"),
+                     critic=True),
 }
 
 

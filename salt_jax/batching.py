@@ -279,3 +279,78 @@ def estimator_inputs(batch, algorithm, size: int, merge_ids=None) -> EstimatorIn
       merge_ids=pad_rows(np.zeros(n, np.int32) if merge_ids is None else merge_ids, size,
                          np.int32),
       **optional)
+
+
+@dataclasses.dataclass(frozen=True)
+class GaeSequences:
+  """The response tokens of a `TokenBatch` as S sequences of GAE (`advantages.gae_advantages`),
+  each in order, right-padded to T slots.
+
+  index: int64[S, T], each slot's flat position (row * L + column) in the TokenBatch's [B, L]
+    arrays, -1 in padding.
+  rewards: f32[S, T], each step's reward on its last token, 0 elsewhere.
+  step_ids: int32[S, T], the step (the batch's trajectory-major index) of each token, -1 in
+    padding.
+  """
+
+  index: np.ndarray
+  rewards: np.ndarray
+  step_ids: np.ndarray
+
+  @property
+  def mask(self) -> np.ndarray:
+    return self.index >= 0
+
+  def gather(self, x: np.ndarray) -> np.ndarray:
+    """[S, T] of `x` ([B, L], the TokenBatch's shape) at each slot's token; 0 in padding."""
+    flat = np.asarray(x).reshape(-1)
+    return np.where(self.mask, flat[np.maximum(self.index, 0)], 0).astype(flat.dtype)
+
+  def scatter(self, y: np.ndarray, shape: tuple) -> np.ndarray:
+    """`gather`'s inverse: a [B, L] f32 array holding `y` ([S, T]) at each slot's token, 0 at
+    every other position."""
+    out = np.zeros(int(np.prod(shape)), np.float32)
+    out[self.index[self.mask]] = np.asarray(y, np.float32)[self.mask]
+    return out.reshape(shape)
+
+
+def gae_sequences(batch, tb: TokenBatch, algorithm, *, row_multiple: int = 1) -> GaeSequences:
+  """PPO's GAE sequences over the trained tokens of `tb` (built from `batch`, a `RolloutBatch`,
+  in either layout), as `algorithm.gae_scope` says:
+
+    "step": one sequence per step row, its shaped row reward (`rewards.row_rewards`, the
+      rows GRPO scores: verl-agent's per-row Monte Carlo) on its last token;
+    "trajectory": one per trajectory, its steps' tokens in turn, each step's own reward
+      (`rewards.step_rewards`) on that step's last token, so GAE bootstraps across steps.
+
+  Tokens keep their order (step, then position). S is padded to a power of two (at least 8)
+  and a multiple of `row_multiple` (the mesh's data axis), T to a power of two (at least 16), so
+  the advantage program compiles rarely.
+  """
+  if algorithm.gae_scope not in rewards.GAE_SCOPES:
+    raise ValueError(f"gae_scope must be one of {rewards.GAE_SCOPES}, got "
+                     f"{algorithm.gae_scope!r}")
+  rows, cols = np.nonzero(tb.loss_mask)
+  steps = tb.token_step_ids[rows, cols].astype(np.int64)
+  if algorithm.gae_scope == "step":
+    step_reward = rewards.row_rewards(batch, algorithm.reward_scale, algorithm.penalty_scope)
+    owner = steps
+  else:
+    step_reward = rewards.step_rewards(batch, algorithm.reward_scale)
+    owner = np.asarray(batch.step_traj_ids, np.int64)[steps]
+  order = np.lexsort((cols, rows, steps, owner))
+  rows, cols, steps, owner = rows[order], cols[order], steps[order], owner[order]
+  _, seq = np.unique(owner, return_inverse=True)
+  n = seq.size
+  starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]]) if n else np.zeros(0, np.int64)
+  pos = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n])) if n else np.zeros(0, int)
+  last = np.r_[steps[1:] != steps[:-1], True] if n else np.zeros(0, bool)
+  s = -(-bucket_length(int(starts.size), 8) // row_multiple) * row_multiple
+  t = bucket_length(int(pos.max()) + 1 if n else 1, 16)
+  index = np.full((s, t), -1, np.int64)
+  step_ids = np.full((s, t), -1, np.int32)
+  token_rewards = np.zeros((s, t), np.float32)
+  index[seq, pos] = rows * tb.loss_mask.shape[1] + cols
+  step_ids[seq, pos] = steps
+  token_rewards[seq, pos] = np.where(last, step_reward[steps], 0.0)
+  return GaeSequences(index=index, rewards=token_rewards, step_ids=step_ids)

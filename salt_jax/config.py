@@ -139,7 +139,14 @@ class AlgorithmConfig:
   gamma: float = _field(1.0, "each step row's return discounted by the steps after it, "
                         "gamma ** (T - 1 - t) (1: the whole return on every row, verl-agent's "
                         "GRPO); with algo gigpo the discount of its step returns instead, its "
-                        "episode scores undiscounted (verl-agent: 0.95)")
+                        "episode scores undiscounted (verl-agent: 0.95); with algo ppo GAE's "
+                        "discount per response token (verl-agent: 1)")
+  gae_lambda: float = _field(1.0, "algo ppo: GAE's lambda (verl-agent: 1)")
+  gae_scope: str = _field("step", "algo ppo: what one GAE sequence is: step (each step row on its "
+                          "own, its shaped row reward on its last token: verl-agent's per-row "
+                          "Monte Carlo) or trajectory (a trajectory's steps in turn, each step's "
+                          "own reward on its last token, bootstrapping from the next step's "
+                          "value)")
   gigpo_mode: str = _field("mean_std_norm", "GiGPO's normalisation of both advantages: "
                            "mean_std_norm (verl-agent's ALFWorld) or mean_norm (its WebShop)")
   step_advantage_w: float = _field(1.0, "GiGPO's weight of the step advantage")
@@ -187,6 +194,13 @@ class UpdateConfig:
   remat_policy: str = _field("none", "what the update's backward pass recomputes: a name in "
                              "salt_jax.models.REMAT_POLICIES (full: each decoder layer's "
                              "activations, keeping only its input)")
+  critic_lr: float = _field(1e-5, "algo ppo: the critic's learning rate, constant (AdamW with "
+                            "the policy's weight decay and gradient clipping; verl-agent: 1e-5)")
+  value_clip: Optional[float] = _field(0.5, "algo ppo: how far a value may move from the "
+                                       "rollout's before its error is clipped (verl's "
+                                       "cliprange_value); None: no clipping")
+  critic_warmup: int = _field(0, "algo ppo: iterations that train the critic alone before the "
+                              "policy's updates start (verl's trainer.critic_warmup)")
   min_seq_len: int = _field(64, "shortest padded row length")
   logprob_chunk: int = _field(256, "vocabulary projection chunk (tokens)")
 
@@ -266,7 +280,7 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     from salt_jax.metrics import TRACKERS
     from salt_jax.models.config import (ATTENTION_IMPLS, REMAT_POLICIES, read_model_config,
                                         tiny_policy_config)
-    from salt_jax.rewards import GROUP_STATS, PENALTY_SCOPES
+    from salt_jax.rewards import GAE_SCOPES, GROUP_STATS, PENALTY_SCOPES
     from salt_jax.rollout import INVALID_STEP_MODES
     from salt_jax.sharding import parse_mesh_shape
 
@@ -307,9 +321,18 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows",
                  "logprob_microbatch_rows"):
       pos_int(name, 0)
-    need(self.group_size >= 2,
+    critic = ESTIMATORS[self.algo].critic
+    need(self.group_size >= 2 or critic,
          f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
-         "own group, so every advantage is 0 and nothing is learned; use group_size >= 2")
+         "own group, so every advantage is 0 and nothing is learned; use group_size >= 2 (or "
+         "algo ppo, whose baseline is a critic)")
+    need(0 <= self.gae_lambda <= 1, f"gae_lambda must be in [0, 1], got {self.gae_lambda}")
+    one_of("gae_scope", GAE_SCOPES)
+    need(math.isfinite(self.critic_lr) and self.critic_lr > 0,
+         f"critic_lr must be > 0, got {self.critic_lr}")
+    need(self.value_clip is None or (math.isfinite(self.value_clip) and self.value_clip > 0),
+         f"value_clip must be None or > 0, got {self.value_clip}")
+    pos_int("critic_warmup", 0)
     need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
          f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
          f"({self.minibatch_rows})")

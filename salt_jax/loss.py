@@ -195,3 +195,50 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_eps=0.2, clip_eps_high
   )
   return loss, metrics
 
+
+
+class ValueLossMetrics(NamedTuple):
+  """Scalars of one value-loss evaluation (token means over the response tokens)."""
+
+  value_loss: jax.Array       # the aggregated loss (0.5 x clipped squared error)
+  value_clip_fraction: jax.Array  # share of tokens where the clipped error was the larger
+  value_mean: jax.Array       # mean predicted value
+
+
+def value_loss(values, old_values, returns, mask, *, value_clip=0.5, loss_agg="token-mean"):
+  """A critic's clipped value loss (verl's `compute_value_loss`, Tunix's PPO critic):
+
+    v_clipped = old_values + clip(values - old_values, -value_clip, value_clip)
+    loss = 0.5 agg(max((values - returns)^2, (v_clipped - returns)^2))
+
+  Args:
+    values: f32[B, L] the critic's current values at the response tokens.
+    old_values: f32[B, L] its values when the batch was scored (the rollout's).
+    returns: f32[B, L] the regression targets (GAE advantages + old values).
+    mask: bool or 0/1 [B, L], the tokens that take part.
+    value_clip: how far a value may move from `old_values` before its error is clipped (verl's
+      cliprange_value, 0.5); None: no clipping.
+    loss_agg: as in `aggregate`.
+  Returns:
+    (loss scalar, ValueLossMetrics). Off-mask positions take no part, even when NaN.
+  """
+  _checks.check_rank("values", values, 2)
+  for name, x in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+    _checks.check_same_shape("values", values, name, x)
+  if value_clip is not None and not value_clip > 0:
+    raise ValueError(f"value_clip must be None or > 0, got {value_clip}")
+  m = _checks.as_mask("mask", mask, values)
+  values = jnp.where(m, values, 0.0)
+  old_values = jnp.where(m, old_values, 0.0)
+  returns = jax.lax.stop_gradient(jnp.where(m, returns, 0.0))
+  err = jnp.square(values - returns)
+  if value_clip is None:
+    err_max, clipped = err, jnp.zeros(err.shape, bool)
+  else:
+    v_clipped = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
+    err_clipped = jnp.square(v_clipped - returns)
+    err_max, clipped = jnp.maximum(err, err_clipped), err_clipped > err
+  token_mean = lambda x: aggregate(x.astype(jnp.float32), m, "token-mean")  # noqa: E731
+  loss = 0.5 * aggregate(err_max, m, loss_agg)
+  return loss, ValueLossMetrics(value_loss=loss, value_clip_fraction=token_mean(clipped),
+                                value_mean=token_mean(values))

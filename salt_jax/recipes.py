@@ -68,5 +68,16 @@ GIGPO_WEBSHOP = {**VERL_AGENT_WEBSHOP, **{k: GIGPO[k] for k in (
     "algo", "gamma", "step_advantage_w", "anchor_similarity")}, "gigpo_mode": "mean_norm",
                  "minibatch_rows": 64}  # ppo_mini_batch_size=64 in run_webshop.sh
 
+# PPO with a critic as verl-agent runs it (examples/ppo_trainer/run_alfworld.sh): GAE
+# (algorithm.adv_estimator=gae, verl's gamma = lam = 1.0) over each step row on its own, the
+# row's score on its last token; one trajectory per task (rollout.n = 1) for 128 tasks
+# (train_batch_size=128); a critic from the actor's weights (critic.model.path) at a constant
+# lr 1e-5 (critic.optim.lr), values clipped at 0.5 (verl's cliprange_value), no warm-up
+# (trainer.critic_warmup=0); the actor as in the GRPO script (lr 1e-6, low_var_kl 0.01,
+# 256-row mini-batches).
+PPO = {**VERL_AGENT, "algo": "ppo", "group_size": 1, "tasks_per_iter": 128, "gamma": 1.0,
+       "gae_lambda": 1.0, "gae_scope": "step", "critic_lr": 1e-5, "value_clip": 0.5,
+       "critic_warmup": 0}
+
 RECIPES = {"verl-agent": VERL_AGENT, "verl-agent-webshop": VERL_AGENT_WEBSHOP, "gigpo": GIGPO,
-           "gigpo-webshop": GIGPO_WEBSHOP}
+           "gigpo-webshop": GIGPO_WEBSHOP, "ppo": PPO}

@@ -19,6 +19,7 @@ import numpy as np
 
 PENALTY_SCOPES = ("trajectory", "step")
 GROUP_STATS = ("trajectories", "steps")
+GAE_SCOPES = ("step", "trajectory")
 
 
 def row_rewards(batch, reward_scale: float = 1.0, penalty_scope: str = "trajectory",
@@ -77,6 +78,15 @@ def step_returns(batch, reward_scale: float = 1.0, gamma: float = 1.0) -> np.nda
       out[k] = running
   out += batch.step_invalid_penalty
   return np.where(batch.failed[batch.step_traj_ids], 0.0, out).astype(np.float32)
+
+
+def step_rewards(batch, reward_scale: float = 1.0) -> np.ndarray:
+  """f32[N]: each step's own reward, reward_scale * the environment's step reward minus the
+  invalid-step penalty on an invalid step (what PPO's trajectory-scope GAE puts on the step's
+  last token: a trajectory's rewards sum to its scaled return minus its penalties). Rows of
+  failed trajectories score 0."""
+  r = reward_scale * batch.step_rewards.astype(np.float64) + batch.step_invalid_penalty
+  return np.where(batch.failed[batch.step_traj_ids], 0.0, r).astype(np.float32)
 
 
 def state_observations(batch) -> list:

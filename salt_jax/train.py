@@ -5,14 +5,17 @@
   rollout      `rollout.collect`: G trajectories for each of `tasks_per_iter` tasks, one row per
                step. Failed (crashed) trajectories are counted and dropped.
   salt         (SALT on) `build_merge_ids` on the host: each step's merged-edge id.
+  values       (algo ppo) the critic's value of every token (`salt_jax.critic`).
   advantage    `update.step_advantages`, one jitted program: the group estimator
                (`advantages.ESTIMATORS[algo]`) over the step rows' rewards against their group's
-               statistics, then SALT's `refine` over the merged edges.
+               statistics (or GAE over the critic's values, per token), then SALT's `refine`
+               over the merged edges.
   old_logprob  from the sampler (`policy_logprobs`), or recomputed with the current params.
   ref_logprob  log-probs under the frozen initial policy (the KL reference).
   update       PPO-clip (+ KL to the reference) over shuffled mini-batches (`update.update_programs`),
-               AdamW with global-norm clipping. A mini-batch whose loss or gradient is not finite
-               is skipped and counted. When every step advantage is 0 there is nothing to learn:
+               AdamW with global-norm clipping; with a critic, its clipped value loss on each
+               mini-batch first (`critic.critic_programs`). A mini-batch whose loss or gradient
+               is not finite is skipped and counted. When every step advantage is 0 there is nothing to learn:
                the log-prob and update phases are skipped (`num_updates` 0).
 
 then logs metrics (`metrics.jsonl`, TensorBoard) and saves a checkpoint (`checkpoint.RunCheckpoints`:
@@ -52,9 +55,10 @@ from salt_jax import log as log_lib
 from salt_jax.log import progress_bar
 from salt_jax import multihost
 from salt_jax import runlock
-from salt_jax.advantages import count_invalid_rewards
+from salt_jax.advantages import ESTIMATORS, count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
+from salt_jax.critic import critic_optimizer, critic_programs, init_critic
 from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
 from salt_jax.models import lora
 from salt_jax.models.build import build_policy, build_tokenizer
@@ -66,6 +70,9 @@ from salt_jax.update import (estimator_options, lr_schedule, optimizer, step_adv
                              update_programs)
 
 logger = logging.getLogger(__name__)
+
+# The critic's update metrics (algo ppo), NaN in an iteration that took no critic step.
+CRITIC_METRICS = ("value_loss", "value_clip_fraction", "value_mean", "critic_grad_norm")
 
 # SALT's metrics in an iteration without merges (SALT off, or no step to merge).
 NO_MERGE_METRICS = dict(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
@@ -328,6 +335,14 @@ class Trainer:
     self.schedule = lr_schedule(cfg)
     self.tx = optimizer(cfg, self.schedule)
     self.opt_state = on_mesh(self.tx.init(params), self.mesh)
+    # PPO's critic (`salt_jax.critic`): the policy's trained state copied, a new value head, and
+    # its own optimizer; with LoRA its own adapters on the same frozen base.
+    self.critic = self.critic_opt_state = None
+    if ESTIMATORS[cfg.algo].critic:
+      self.critic_tx = critic_optimizer(cfg)
+      self.critic = on_mesh(init_critic(params, self.model.config.hidden_size,
+                                        jax.random.key(cfg.seed + 1)), self.mesh)
+      self.critic_opt_state = on_mesh(self.critic_tx.init(self.critic), self.mesh)
     # On the mesh like every other piece of state, so a checkpoint restores it there (a key on
     # one device meets the params on all of them in the sampler); orbax saves only arrays on the
     # global mesh in a multi-process run.
@@ -413,6 +428,10 @@ class Trainer:
     self._logprobs, self._train_step = update_programs(
         self.config, self.graphdef, self.tx, self.rows, shard_of(self.params),
         shard_of(self.opt_state))
+    if self.critic is not None:
+      self._values, self._critic_step = critic_programs(
+          self.config, self.graphdef, self.critic_tx, self.rows, shard_of(self.critic),
+          shard_of(self.critic_opt_state))
 
   # ---------------------------------------------------------------- state and checkpoints
 
@@ -425,9 +444,13 @@ class Trainer:
 
   def _state_tree(self) -> dict:
     """What a checkpoint saves: the reference is the initial policy, rebuilt at every start; with
-    LoRA the params are the adapters (the base is not saved)."""
-    return {"params": self.params, "opt_state": self.opt_state,
+    LoRA the params are the adapters (the base is not saved); with a critic (PPO) its params and
+    optimizer state too."""
+    tree = {"params": self.params, "opt_state": self.opt_state,
             "key": jax.random.key_data(self.key)}
+    if self.critic is not None:
+      tree.update(critic=self.critic, critic_opt_state=self.critic_opt_state)
+    return tree
 
   def save(self) -> None:
     """Checkpoint `iteration_index`, written in the background when `config.async_checkpoint`
@@ -451,6 +474,8 @@ class Trainer:
           f"run in {self.config.out} started from ({len(changed)} arrays, e.g. {changed[0]}): "
           "were those folders changed? Resume with the original ones")
     self.params, self.opt_state = st["params"], st["opt_state"]
+    if self.critic is not None:
+      self.critic, self.critic_opt_state = st["critic"], st["critic_opt_state"]
     self.key = jax.random.wrap_key_data(st["key"])
     self.task_sampler.restore(meta["task_sampler"])
     self.iteration_index = int(meta["iteration"])
@@ -491,10 +516,19 @@ class Trainer:
         greedy=greedy) if mine else None
     return multihost.concat_rollouts(multihost.allgather_objects(self._local_rollout))
 
-  def step_advantages(self, batch) -> tuple[np.ndarray, np.ndarray, Any, dict]:
+  def step_advantages(self, batch, tb: Optional[batching.TokenBatch] = None,
+                      mbs: Optional[list] = None) -> tuple[np.ndarray, np.ndarray, Any, dict]:
     """(before, after) SALT as f32[steps] on the host, the padded device array of `after` for
-    the update, and SALT's merge metrics."""
+    the update, and SALT's (and the critic's) metrics.
+
+    With a critic's estimator (PPO) the critic scores the token batch `tb` first (its
+    mini-batches `mbs`, which then carry each token's `advantages`, `returns` and `old_values`
+    for the update); `before` / `after` are each step's mean token advantage."""
     cfg = self.config
+    critic = ESTIMATORS[cfg.algo].critic
+    if critic and (tb is None or mbs is None):
+      raise ValueError(f"algo {cfg.algo!r} scores the token batch with its critic: pass tb "
+                       "and mbs")
     nsteps = batch.num_total_steps
     # padded to a power of two (a multiple of the data axis) so the program compiles rarely
     n_pad = -(-batching.bucket_length(nsteps, 64) // self.data_size) * self.data_size
@@ -510,15 +544,57 @@ class Trainer:
                                         estimator_options(cfg))
       inputs = batching.estimator_inputs(batch, cfg, n_pad,
                                          None if merge is None else merge.ids)
-      before, after = jax.block_until_ready(program(jax.tree.map(self._put, inputs)))
+    m = {}
+    if critic:
+      with self.times("values"):
+        values = self._critic_values(tb, mbs)
+      with self.times("advantage"):
+        seqs = batching.gae_sequences(batch, tb, cfg, row_multiple=self.data_size)
+        inputs = inputs._replace(token_rewards=seqs.rewards, token_values=seqs.gather(values),
+                                 token_mask=seqs.mask, token_step_ids=seqs.step_ids)
+    with self.times("advantage"):
+      out = jax.block_until_ready(program(jax.tree.map(self._put, inputs)))
+      before, after = out.before, out.after
+    if critic:
+      m.update(self._fill_critic_batch(tb, mbs, seqs, values, out))
     host_before = multihost.to_host(before)[:nsteps]
     host_after = multihost.to_host(after)[:nsteps]
     with self.times("salt"):
-      m = merge_metrics(batch, merge, host_before) if cfg.salt else dict(NO_MERGE_METRICS)
+      m.update(merge_metrics(batch, merge, host_before) if cfg.salt else NO_MERGE_METRICS)
     if inputs.anchor_ids is not None:  # GiGPO: steps whose state another step of the task shared
       anchors = inputs.anchor_ids[:nsteps]
       m["anchored_steps"] = int(np.sum(np.bincount(anchors)[anchors] > 1))
     return host_before, host_after, after, m
+
+  def _critic_values(self, tb: batching.TokenBatch, mbs: list[dict]) -> np.ndarray:
+    """f32[B, L] on the host: the critic's value at every position of `tb`, mini-batch by
+    mini-batch (each cut to its own length, as `_minibatches` cuts them)."""
+    values = np.zeros(tb.input_ids.shape, np.float32)
+    res = [self._values(self.critic, self._put(mb["input_ids"]), self._put(mb["attention_mask"]),
+                        self._put(mb["positions"]), self.frozen) for mb in mbs]
+    for i, r in enumerate(res):
+      r = multihost.to_host(r)
+      values[i * self.rows:(i + 1) * self.rows, :r.shape[1]] = r
+    return values
+
+  def _fill_critic_batch(self, tb, mbs, seqs, values, out) -> dict:
+    """Puts each token's advantage, return and old value (PPO) into the mini-batches; returns
+    the critic's batch metrics: mean value and return over the trained tokens, and the share of
+    the returns' variance the values explain (verl's vf_explained_var)."""
+    shape = tb.input_ids.shape
+    advantages = seqs.scatter(multihost.to_host(out.token_advantages), shape)
+    returns = seqs.scatter(multihost.to_host(out.returns), shape)
+    for i, mb in enumerate(mbs):
+      rows, length = slice(i * self.rows, (i + 1) * self.rows), mb["input_ids"].shape[1]
+      mb["advantages"] = advantages[rows, :length]
+      mb["returns"] = returns[rows, :length]
+      mb["old_values"] = values[rows, :length]
+    mask = tb.loss_mask
+    v, r = values[mask].astype(np.float64), returns[mask].astype(np.float64)
+    explained = 1.0 - np.var(r - v) / np.var(r) if v.size > 1 and np.var(r) > 0 else float("nan")
+    return {"critic/values_mean": float(v.mean()) if v.size else float("nan"),
+            "critic/returns_mean": float(r.mean()) if r.size else float("nan"),
+            "critic/explained_variance": float(explained)}
 
   def _minibatches(self, tb: batching.TokenBatch) -> list[dict]:
     """Mini-batches of `self.rows` rows (padding rows have an all-False mask), each cut to the
@@ -564,24 +640,27 @@ class Trainer:
     if batch.num_total_steps == 0:  # every trajectory failed: nothing to learn from
       m.update(NO_MERGE_METRICS, skipped_groups=cfg.tasks_per_iter)
     else:
-      # step advantages: group estimator and SALT
-      before, after, step_adv, salt_m = self.step_advantages(batch)
+      # the batch: token rows in the run's layout, cut into mini-batches
+      tb = batching.from_rollout(batch, cfg.layout, pad_id=self.pad_id,
+                                 min_length=cfg.min_seq_len, row_multiple=self.rows)
+      mbs = self._minibatches(tb)
+
+      # step advantages: group estimator (or critic) and SALT
+      before, after, step_adv, salt_m = self.step_advantages(batch, tb, mbs)
       m.update(salt_m, skipped_groups=skipped_groups(before, batch.step_group_ids),
                adv_frac_changed=float(np.mean(np.abs(after - before) > 1e-6)))
       m.update(_stats(before, "adv_before"))
       m.update(_stats(after, "adv_after"))
       histograms = {"adv_before": before, "adv_after": after}
-
-      # the batch: token rows in the run's layout, cut into mini-batches
-      tb = batching.from_rollout(batch, cfg.layout, pad_id=self.pad_id,
-                                 min_length=cfg.min_seq_len, row_multiple=self.rows)
-      mbs = self._minibatches(tb)
       self.last = self.last._replace(minibatches=mbs, advantages=(before, after),
                                      step_adv=step_adv)
 
       # With every advantage 0 the loss would be KL alone, and an update would move the policy
       # (Adam makes a full step of any gradient, weight decay too) on no evidence: none is taken.
-      learn = bool(np.any(after != 0))
+      # A critic learns from every batch; the policy waits for `critic_warmup` iterations.
+      critic = self.critic is not None
+      train_policy = bool(np.any(after != 0)) and it >= (cfg.critic_warmup if critic else 0)
+      learn = train_policy or critic
       logger.info("iteration %d: advantages and SALT done (merge rate %.2f); %s", it + 1,
                   m["merge_rate"], f"update over {len(mbs)} mini-batch(es) x {cfg.ppo_epochs} "
                   "epoch(s)" if learn else "no update: every advantage is 0")
@@ -590,7 +669,7 @@ class Trainer:
         # whose log-probs (other kernels, maybe another dtype) are only compared with ours.
         engine = cfg.rollout_engine != "builtin"
         with times("old_logprob"):
-          if cfg.recompute_old_logprobs or engine:
+          if train_policy and (cfg.recompute_old_logprobs or engine):
             diff, count = 0.0, 0
             for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
               mask = mb["loss_mask"].astype(bool)
@@ -599,17 +678,19 @@ class Trainer:
               mb["old_logprobs"] = np.where(mask, lp, 0.0).astype(np.float32)
             if engine:  # mean |engine's - trainer's log-prob| over the trained tokens
               m["engine_logprob_abs_diff"] = diff / count if count else float("nan")
-        if cfg.kl_coef > 0:  # without a KL term the reference is not evaluated (kl logs 0)
+        if cfg.kl_coef > 0 and train_policy:  # no KL term: the reference is not evaluated
           with times("ref_logprob"):
             for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):
               mb["ref_logprobs"] = np.where(mb["loss_mask"], lp, 0.0).astype(np.float32)
         with times("update"):
-          upd = self._update(mbs, step_adv, k_shuffle)
+          upd = self._update(mbs, step_adv, k_shuffle, train_policy=train_policy)
     m.update(upd)
     m["skipped_updates_total"] = self.skipped_updates_total
     m["lr"] = float(self.schedule(self.applied_updates))
     for phase in ("rollout", "salt", "advantage", "old_logprob", "ref_logprob", "update"):
       m[f"time/{phase}"] = times.get(phase, 0.0)
+    if self.critic is not None:  # the critic's forward pass over the batch (PPO)
+      m["time/values"] = times.get("values", 0.0)
     if cfg.rollout_engine != "builtin":  # the copy into the engine (inside time/update)
       m.setdefault("engine_logprob_abs_diff", float("nan"))
       m["time/weight_sync"] = times.get("weight_sync", 0.0)
@@ -636,7 +717,9 @@ class Trainer:
                   self._last_save_s)
     return row
 
-  def _update(self, mbs: list[dict], step_adv, key) -> dict:
+  def _update(self, mbs: list[dict], step_adv, key, *, train_policy: bool = True) -> dict:
+    """The iteration's optimizer steps over shuffled mini-batches: a critic step (PPO) and a
+    policy step (unless `train_policy` is False: the critic's warm-up) on each."""
     cfg = self.config
     live = [i for i, mb in enumerate(mbs) if mb["loss_mask"].any()]
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
@@ -644,13 +727,23 @@ class Trainer:
     sums: dict[str, float] = {}
     n, skipped = 0, 0
     order = [i for _ in range(cfg.ppo_epochs) for i in rng.permutation(live)]
-    outs = []
+    outs, critic_outs = [], []
+    critic_fields = ("input_ids", "attention_mask", "positions", "loss_mask", "old_values",
+                     "returns")
     with progress_bar(order, desc="update", enabled=self._show_progress, unit="batch") as bar:
       for i in bar:
         mb = {k: self._put(v) for k, v in mbs[i].items()}
-        self.params, self.opt_state, out = self._train_step(self.params, self.opt_state, mb,
-                                                            step_adv, self.frozen)
-        outs.append(out)
+        if self.critic is not None:
+          self.critic, self.critic_opt_state, out = self._critic_step(
+              self.critic, self.critic_opt_state, {k: mb.pop(k) if k in ("old_values", "returns")
+                                                   else mb[k] for k in critic_fields},
+              self.frozen)
+          critic_outs.append(out)
+        if train_policy:
+          self.params, self.opt_state, out = self._train_step(self.params, self.opt_state, mb,
+                                                              step_adv, self.frozen)
+          outs.append(out)
+    critic_m = self._critic_metrics(jax.device_get(critic_outs))
     # Fetched once, after the last step: no mini-batch waits for the host to read its metrics.
     for i, out in zip(order, jax.device_get(outs)):
       logger.debug("update: mini-batch %d, loss %.4f%s", i, float(out.get("loss", np.nan)),
@@ -664,17 +757,28 @@ class Trainer:
         if k != "skipped":
           sums[k] = sums.get(k, 0.0) + float(v)
     self.skipped_updates_total += skipped
-    self._sync_sampler()
+    if outs:  # the policy's params are new arrays (the old ones donated), even if all skipped
+      self._sync_sampler()
     if not n:
-      return {**self._no_update(), "skipped_updates": skipped}
-    return {**{k: v / n for k, v in sums.items()}, "skipped_updates": skipped, "num_updates": n}
+      return {**self._no_update(), "skipped_updates": skipped, **critic_m}
+    return {**{k: v / n for k, v in sums.items()}, "skipped_updates": skipped, "num_updates": n,
+            **critic_m}
 
-  @staticmethod
-  def _no_update() -> dict:
+  def _critic_metrics(self, outs: list[dict]) -> dict:
+    """The critic's update metrics, averaged over its finite steps (NaN without a critic step),
+    and how many of its steps were skipped as not finite."""
+    if self.critic is None:
+      return {}
+    kept = [o for o in outs if not bool(o["skipped"])]
+    m = {k: float(np.mean([float(o[k]) for o in kept])) if kept else float("nan")
+         for k in CRITIC_METRICS}
+    return {**m, "critic_skipped_updates": len(outs) - len(kept)}
+
+  def _no_update(self) -> dict:
     """The update metrics of an iteration that took no optimizer step."""
     return {**{k: float("nan") for k in ("loss", "grad_norm", "kl", "clip_fraction", "pg_loss",
                                          "ratio_mean", "approx_kl_old", "entropy")},
-            "skipped_updates": 0, "num_updates": 0}
+            "skipped_updates": 0, "num_updates": 0, **self._critic_metrics([])}
 
   def evaluate(self) -> dict:
     """Greedy success on `num_eval_tasks` tasks of each eval split (overall and per task type)."""

@@ -1,7 +1,7 @@
 """The trainer's device programs: step advantages (group estimator + SALT) and the PPO-clip step.
 
   step_advantages_program(algo, num_groups, num_segments, salt) -> jitted
-      (EstimatorInputs) -> (before, after)
+      (EstimatorInputs) -> StepAdvantages (before and after SALT; a critic's token advantages)
   update_programs(config, graphdef, tx, rows, shardings...) -> (logprobs, train_step), jitted
   lr_schedule(config), optimizer(config, schedule)
 
@@ -12,6 +12,7 @@ another machine (`benchmarks/tpu_aot.py`) and run in the trainer.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,31 @@ from salt_jax.loss import PolicyLossMetrics, aggregate, aggregate_weight, policy
 from salt_jax.salt import refine, token_advantages
 
 
+class StepAdvantages(NamedTuple):
+  """What the advantage program gives the update.
+
+  before, after: f32[N], each step row's advantage before and after SALT (with a critic, the
+    mean of its tokens' advantages).
+  token_advantages, returns: f32[S, T] with a critic's estimator (PPO), over the GAE sequences
+    (`batching.gae_sequences`): each token's advantage for the update (SALT's shift included)
+    and the critic's regression target; None otherwise (the update broadcasts `after`).
+  """
+
+  before: jax.Array
+  after: jax.Array
+  token_advantages: Optional[jax.Array] = None
+  returns: Optional[jax.Array] = None
+
+
 def step_advantages(inputs: EstimatorInputs, *, algo: str, num_groups: int, num_segments: int,
-                    salt: bool, options: tuple = ()):
-  """Each step row's advantage before and after SALT.
+                    salt: bool, options: tuple = ()) -> StepAdvantages:
+  """Each step row's advantage before and after SALT (and a critic's token advantages).
+
+  With a critic's estimator (`Estimator.critic`, PPO) the advantages are per token: a step's
+  advantage is the mean over its tokens, SALT refines those means over merged edges, and every
+  token of a step is shifted by its step's change (after - before). A merged edge's members
+  then share one mean advantage, as under a group estimator, while the critic's differences
+  between the tokens of one response stay.
 
   Args:
     inputs: the rows as the estimator reads them (`batching.estimator_inputs`): shaped rewards,
@@ -38,11 +61,24 @@ def step_advantages(inputs: EstimatorInputs, *, algo: str, num_groups: int, num_
     salt: refine the group advantages over merged edges, or return them unchanged.
     options: the estimator's settings as (name, value) pairs (`estimator_options`).
   Returns:
-    (before, after): f32[N] group advantages and the advantages the update uses.
+    `StepAdvantages`.
   """
-  before = ESTIMATORS[algo].fn(inputs, num_groups, **dict(options))
+  estimator = ESTIMATORS[algo]
+  if not estimator.critic:
+    before = estimator.fn(inputs, num_groups, **dict(options))
+    after = refine(before, inputs.merge_ids, num_segments, inputs.mask) if salt else before
+    return StepAdvantages(before, after)
+  token_adv, returns = estimator.fn(inputs, num_groups, **dict(options))
+  n = inputs.rewards.shape[0]
+  steps = jnp.asarray(inputs.token_step_ids, jnp.int32)
+  live = jnp.asarray(inputs.token_mask).astype(bool) & (steps >= 0) & (steps < n)
+  seg = jnp.where(live, steps, n).reshape(-1)  # segment n: padding, dropped
+  sums = jax.ops.segment_sum(jnp.where(live, token_adv, 0.0).reshape(-1), seg, n + 1)[:n]
+  count = jax.ops.segment_sum(live.reshape(-1).astype(jnp.float32), seg, n + 1)[:n]
+  before = jnp.where(count > 0, sums / jnp.maximum(count, 1.0), 0.0)
   after = refine(before, inputs.merge_ids, num_segments, inputs.mask) if salt else before
-  return before, after
+  shift = jnp.where(live, (after - before)[jnp.clip(steps, 0, n - 1)], 0.0)
+  return StepAdvantages(before, after, token_adv + shift, returns)
 
 
 def estimator_options(config) -> tuple:
@@ -101,7 +137,8 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
       `config.logprob_microbatch_rows` rows (default `config.microbatch_rows`; 0: all at once).
     train_step(params, opt_state, mb, step_adv, frozen=None) -> (params, opt_state, metrics): one
       PPO-clip step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl.
-      ref_logprobs), micro-batched per `config.microbatch_rows`; params and opt_state are donated
+      ref_logprobs, and a critic's per-token `advantages`, which replace `step_adv`),
+      micro-batched per `config.microbatch_rows`; params and opt_state are donated
       and come back on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite
       loss or gradient leaves both unchanged and sets metrics['skipped'].
   """
@@ -126,7 +163,10 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
     logp, ent = token_logprobs_and_entropy(model, mb["input_ids"], mb["targets"],
                                            mb["attention_mask"], positions=mb["positions"],
                                            chunk_size=config.logprob_chunk)
-    adv = token_advantages(step_adv, mb["token_step_ids"])
+    # A critic's advantages come per token (`StepAdvantages.token_advantages`); a group
+    # estimator's are one per step, broadcast to its tokens here.
+    adv = mb["advantages"] if "advantages" in mb else token_advantages(step_adv,
+                                                                       mb["token_step_ids"])
     loss, m = policy_loss(
         logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high, dual_clip=config.dual_clip,

@@ -276,3 +276,42 @@ def gigpo_step_norm(step_returns, step_groups, remove_std, eps=1e-6):
     std = 1.0 if len(m) == 1 else math.sqrt(sum((x - mean) ** 2 for x in m) / (len(m) - 1))
     out.append(r - mean if remove_std else (r - mean) / (std + eps))
   return out
+
+
+def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
+  """verl's `compute_gae_advantage_return` (core_algos.py) as a loop over positions and rows:
+  masked positions carry the next value and advantage through; returns = A + V; unwhitened."""
+  rows, length = np.shape(token_level_rewards)
+  adv = np.zeros((rows, length))
+  for b in range(rows):
+    next_value, last_gae = 0.0, 0.0
+    for t in reversed(range(length)):
+      delta = token_level_rewards[b][t] + gamma * next_value - values[b][t]
+      gae = delta + gamma * lam * last_gae
+      if response_mask[b][t]:
+        next_value, last_gae = values[b][t], gae
+      adv[b][t] = last_gae
+  return adv, adv + np.asarray(values, np.float64)
+
+
+def verl_masked_whiten(values, mask):
+  """verl's `masked_whiten`: (x - mean) / sqrt(var + 1e-8), mean and unbiased var over the mask."""
+  picked = [float(v) for v, m in zip(np.ravel(values), np.ravel(mask)) if m]
+  mean = sum(picked) / len(picked)
+  var = sum((x - mean) ** 2 for x in picked) / (len(picked) - 1)
+  return (np.asarray(values, np.float64) - mean) / math.sqrt(var + 1e-8)
+
+
+def verl_value_loss(vpreds, returns, old_values, mask, cliprange_value):
+  """verl's `compute_value_loss` with token-mean aggregation: 0.5 x the masked mean of
+  max((v - R)^2, (clip(v, old - c, old + c) - R)^2), and the share of tokens clipped."""
+  total, clipped, count = 0.0, 0, 0
+  for v, r, o, m in zip(np.ravel(vpreds), np.ravel(returns), np.ravel(old_values), np.ravel(mask)):
+    if not m:
+      continue
+    vc = min(max(v, o - cliprange_value), o + cliprange_value)
+    e1, e2 = (v - r) ** 2, (vc - r) ** 2
+    total += max(e1, e2)
+    clipped += e2 > e1
+    count += 1
+  return 0.5 * total / count, clipped / count

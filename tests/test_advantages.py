@@ -190,11 +190,11 @@ def test_registry_entries_read_named_inputs_as_their_functions():
   x = _inputs(np.random.default_rng(0))
   direct = {"grpo": salt_jax.grpo_advantages, "rloo": salt_jax.rloo_advantages,
             "drgrpo": salt_jax.advantages.drgrpo_advantages}
-  assert set(ESTIMATORS) == {*direct, "gigpo"}
+  assert set(ESTIMATORS) == {*direct, "gigpo", "ppo"}
   for name, fn in direct.items():
     want = fn(x.rewards, x.group_ids, 3, mask=x.mask, stat_mask=x.stat_mask)
     np.testing.assert_array_equal(ESTIMATORS[name].fn(x, 3), want)
-    before, after = step_advantages_program(name, 3, 10, True)(x)
+    before, after = step_advantages_program(name, 3, 10, True)(x)[:2]
     np.testing.assert_allclose(before, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(after, salt_jax.refine(want, x.merge_ids, 10, x.mask), rtol=1e-6,
                                atol=1e-7)
@@ -220,7 +220,7 @@ def test_a_new_estimator_is_one_function_and_one_entry(monkeypatch):
   TrainConfig(algo="discounted_test").validate()
   x = _inputs(np.random.default_rng(1))
   x = x._replace(step_returns=np.linspace(0.0, 1.0, x.rewards.shape[0], dtype=np.float32))
-  before, _ = step_advantages_program("discounted_test", 3, 10, False)(x)
+  before = step_advantages_program("discounted_test", 3, 10, False)(x).before
   grpo = salt_jax.grpo_advantages(x.rewards, x.group_ids, 3, mask=x.mask, stat_mask=x.stat_mask)
   np.testing.assert_allclose(before, grpo * 0.5 ** x.step_index + x.step_returns, rtol=1e-6,
                              atol=1e-7)

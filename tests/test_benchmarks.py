@@ -1,5 +1,6 @@
 """The accelerator benchmark's arithmetic, and that the benchmarks run (tiny shapes on this CPU)."""
 
+import json
 import os
 import sys
 
@@ -130,3 +131,19 @@ def test_rollout_engines_quick_run(capsys):
     for case in ("group", "distinct"):
       assert any(line.split()[:2] == [engine.strip(), case] for line in out.splitlines())
   assert "of limit" in out
+
+
+def test_bench_lora_times_the_critic_beside_each_setting(tmp_path, capsys):
+  """--critic adds PPO's critic to each setting: its value pass and step are timed, and its
+  state is the trained state's size plus a head (a LoRA critic: adapters, not a second model)."""
+  import bench_lora  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "rows.jsonl"
+  assert bench_lora.main(["--random", "--ranks", "0", "4", "--critic", "--rows", "4",
+                          "--microbatch-rows", "2", "--length", "64", "--response", "8",
+                          "--reps", "1", "--out", str(out)]) == 0
+  full, adapters = (json.loads(line) for line in out.read_text().splitlines())
+  for row in (full, adapters):
+    assert row["values_s"] > 0 and row["critic_step_s"] > 0 and row["loss_finite"]
+    assert row["trained_mib"] <= row["critic_mib"] < row["trained_mib"] + 0.01
+  assert adapters["critic_mib"] < full["critic_mib"] / 4
+  assert "critic step s" in capsys.readouterr().out

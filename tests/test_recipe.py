@@ -66,7 +66,7 @@ def test_format_mode_marks_only_unparsable_outputs_invalid(batch):
 def _group_advantages(algo, inputs):
   """The trainer's step-advantage program with SALT off: the group estimator alone."""
   program = step_advantages_program(algo, len(TASKS), 1, salt=False)
-  before, after = program(inputs)
+  before, after = program(inputs)[:2]
   np.testing.assert_array_equal(before, after)
   return np.asarray(before)
 
@@ -205,7 +205,7 @@ def test_gigpo_recipe_advantages_equal_verl_agents_pipeline(batch):
   n = batch.num_total_steps
   inputs = estimator_inputs(batch, cfg, n + 3)
   program = step_advantages_program("gigpo", len(TASKS), 1, False, estimator_options(cfg))
-  got, _ = program(inputs)
+  got = program(inputs).before
   invalid = ~batch.step_valid
   scores = [10.0 * float(batch.success[t]) - (0.1 if bad else 0.0)
             for t, bad in zip(batch.step_traj_ids, invalid)]

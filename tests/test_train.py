@@ -560,7 +560,7 @@ def test_nan_guard_skips_the_update(run_a):
 @pytest.mark.parametrize("change, match", [
     (dict(group_size=0), "group_size"),
     (dict(group_size=1), "no baseline: .* every advantage is 0"),
-    (dict(algo="ppo"), "unknown algo"),
+    (dict(algo="a2c"), "unknown algo"),
     (dict(mesh="4by2"), "DxM"),
     (dict(layout="trajectory", prompt_history=2), "whole-history"),
     (dict(model="/no/such/folder"), "not a local folder"),
@@ -619,7 +619,7 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(run_a):
 
 @pytest.mark.parametrize("flag, match", [
     ("--mesh=4x", "--mesh must look like DxM"),  # before jax is imported
-    ("--algo=ppo", "unknown algo"),
+    ("--algo=a2c", "unknown algo"),
     ("--embedder=/no/such/model", "embedder must be"),
     ("--recipe=paper", "unknown --recipe"),
 ])
