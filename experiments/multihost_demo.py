@@ -2,11 +2,13 @@
 
   python experiments/multihost_demo.py            # 2 processes x 2 CPU devices, toy env, 2 iters
   python experiments/multihost_demo.py --check    # and a 1-process run fed the same global batches
+  python experiments/multihost_demo.py --algo ppo # PPO: the critic trained across the processes
 
 A tiny policy is first behaviour-cloned on the toy env (so rewards differ within groups and the
 update moves the params); then `--num-processes` workers join through a coordinator on a free
 local port, each playing its share of every iteration's tasks, and train on one 'data' mesh over
-all their devices. Each worker prints a checksum of its params: they must be identical.
+all their devices. Each worker prints a checksum of its params (and with --algo ppo its critic's):
+they must be identical.
 
 With --check, one process over the same total number of devices replays the recorded global
 batches (`ReplayTrainer`), and its params and metrics are compared with the multi-process run's.
@@ -93,7 +95,7 @@ def worker(args) -> int:
   procs = dict(distributed=True, coordinator=args.coordinator, num_processes=n,
                process_id=args.process_id) if n > 1 else {}
   cfg = TrainConfig(**TOY, iters=args.iters, out=args.out, init_params=args.init_params,
-                    mesh=f"{n * args.devices}x1", resume=args.resume, **procs)
+                    mesh=f"{n * args.devices}x1", resume=args.resume, algo=args.algo, **procs)
   replay = None
   if args.replay:
     with open(args.replay, "rb") as f:
@@ -106,7 +108,8 @@ def worker(args) -> int:
       if tr.last.local_rollout is not None:
         local_tasks.append(sorted(set(tr.last.local_rollout.task_ids)))
       batches.append(tr.last.rollout)
-    leaves = [to_host(x) for x in jax.tree.leaves(tr.params)]  # (a collective: all call it)
+    # (a collective: all call it); with a critic (PPO) its params too
+    leaves = [to_host(x) for x in jax.tree.leaves((tr.params, tr.critic))]
   sha, total = params_digest(leaves)
   p = args.process_id
   np.savez(os.path.join(args.out, f"params_{p}.npz"), **{str(i): x for i, x in enumerate(leaves)})
@@ -122,7 +125,8 @@ def worker(args) -> int:
 
 
 def launch(out: str, *, num_processes: int, devices: int, iters: int, init_params: str,
-           replay: str | None = None, resume: bool = False, timeout: float = 600) -> list[str]:
+           replay: str | None = None, resume: bool = False, timeout: float = 600,
+           algo: str = "grpo") -> list[str]:
   """Runs `num_processes` workers on this machine (coordinator on a free port), resuming the run
   in `out` with `resume`; returns their outputs. Raises RuntimeError naming the worker that
   failed."""
@@ -132,7 +136,7 @@ def launch(out: str, *, num_processes: int, devices: int, iters: int, init_param
   for i in range(num_processes):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--process-id={i}",
            f"--num-processes={num_processes}", f"--coordinator={coord}", f"--devices={devices}",
-           f"--iters={iters}", f"--out={out}", f"--init-params={init_params}"]
+           f"--iters={iters}", f"--out={out}", f"--init-params={init_params}", f"--algo={algo}"]
     if replay:
       cmd.append(f"--replay={replay}")
     if resume:
@@ -158,7 +162,7 @@ def launch(out: str, *, num_processes: int, devices: int, iters: int, init_param
 
 
 def run_demo(out: str, *, num_processes: int = 2, devices: int = 2, iters: int = 2,
-             check: bool = False) -> dict:
+             check: bool = False, algo: str = "grpo") -> dict:
   """Warm start, then the multi-process run (and with `check` the 1-process replay).
 
   Returns {"multi": [process_<i>.json contents], "single": process_0.json of the replay or None,
@@ -170,14 +174,14 @@ def run_demo(out: str, *, num_processes: int = 2, devices: int = 2, iters: int =
   print(f"[demo] warm start {time.perf_counter() - t0:.0f} s", flush=True)
   multi_dir = os.path.join(out, "multi")
   for o in launch(multi_dir, num_processes=num_processes, devices=devices, iters=iters,
-                  init_params=init):
+                  init_params=init, algo=algo):
     print(o.strip().splitlines()[-1], flush=True)
   multi = [_read_json(os.path.join(multi_dir, f"process_{i}.json")) for i in range(num_processes)]
   res = {"multi": multi, "single": None, "max_param_diff": None}
   if check:
     single_dir = os.path.join(out, "single")
     (o,) = launch(single_dir, num_processes=1, devices=num_processes * devices, iters=iters,
-                  init_params=init, replay=os.path.join(multi_dir, RECORD))
+                  init_params=init, replay=os.path.join(multi_dir, RECORD), algo=algo)
     print(o.strip().splitlines()[-1], flush=True)
     res["single"] = _read_json(os.path.join(single_dir, "process_0.json"))
     a = np.load(os.path.join(multi_dir, "params_0.npz"))
@@ -197,6 +201,7 @@ def main(argv=None) -> int:
   p.add_argument("--num-processes", type=int, default=2)
   p.add_argument("--devices", type=int, default=2, help="CPU devices per process")
   p.add_argument("--iters", type=int, default=2)
+  p.add_argument("--algo", default="grpo", help="the advantage estimator (e.g. ppo: a critic)")
   p.add_argument("--check", action="store_true",
                  help="also run 1 process over the same devices on the recorded batches")
   # the worker's own flags (set by `launch`)
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
   os.environ["JAX_PLATFORMS"] = "cpu"  # this process only warm-starts, on one CPU device
   out = args.out or os.path.join("runs", "multihost_demo", time.strftime("%Y%m%d-%H%M%S"))
   res = run_demo(out, num_processes=args.num_processes, devices=args.devices, iters=args.iters,
-                 check=args.check)
+                 check=args.check, algo=args.algo)
   shas = {r["sha256"] for r in res["multi"]}
   rows = res["multi"][0]["rows"]
   print(f"[demo] success rate per iteration {[round(r['success_rate'], 3) for r in rows]}, "

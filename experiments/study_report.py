@@ -442,6 +442,26 @@ def paired_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tu
   return out
 
 
+def grpo_effects(runs: list[dict], it, on: str = "train") -> dict[str, list[tuple[int, float]]]:
+  """{method: [(seed, its success minus GRPO's)]} for every method but GRPO and GRPO+SALT (whose
+  difference is SALT's, above), measured as `paired_effects` measures; runs paired by seed with
+  GRPO's run of the same seed (same warm start and first rollout); a seed without a GRPO run is
+  left out, two runs of one method and seed are an error."""
+  curves = {"late": _late_curve, "early": _early_curve}
+  value = curves[it] if it in curves else (lambda r: _measured(r, it, on))
+  by: dict = {}
+  for r in runs:
+    key = (r["algo"].upper() + ("+SALT" if r["salt"] else ""), r["seed"])
+    if key in by:
+      raise ValueError(f"two runs of {key}")
+    by[key] = r
+  out: dict = {}
+  for (method, seed), r in sorted(by.items()):
+    if method not in ("GRPO", "GRPO+SALT") and ("GRPO", seed) in by:
+      out.setdefault(method, []).append((seed, value(r) - value(by["GRPO", seed])))
+  return out
+
+
 def _ci(stat, scale=100.0) -> str:
   m, lo, hi = stat
   if math.isnan(lo):
@@ -498,18 +518,26 @@ def four_methods_tables(runs: list[dict]) -> str:
                  + merges + " |")
   paired = [(i, on) for i, on in measures if i != 0] + [("early", "train"), ("late", "train")]
   name = {"train": "after {}", "heldout": "held-out after {}"}
-  lines += ["", "SALT minus its base, same seed, same warm start and first rollout (points; mean "
-            "and 95% t-interval over seeds; wins / ties / losses):", "",
-            "| comparison | seeds | " + " | ".join(name[on].format(i) for i, on in paired[:-2])
+  header = ["| comparison | seeds | " + " | ".join(name[on].format(i) for i, on in paired[:-2])
             + f" | training rollouts, first {LATE_ITERS} iterations"
             + f" | training rollouts, last {LATE_ITERS} iterations |",
             "|---|---|" + "---|" * len(paired)]
+  lines += ["", "SALT minus its base, same seed, same warm start and first rollout (points; mean "
+            "and 95% t-interval over seeds; wins / ties / losses):", "", *header]
   effects = {(i, on): paired_effects(runs, i, on) for i, on in paired}
   for algo in sorted(effects["late", "train"]):
     cells = [_paired_cell(effects[k][algo]) for k in paired]
     lines.append(f"| {algo}+SALT - {algo} | {len(effects['late', 'train'][algo])} | "
                  + " | ".join(cells)
                  + " |")
+  against = {(i, on): grpo_effects(runs, i, on) for i, on in paired}
+  if against["late", "train"]:
+    lines += ["", "Each method minus GRPO, same seed, same warm start and first rollout (points; "
+              "mean and 95% t-interval over seeds; wins / ties / losses):", "", *header]
+    for method in sorted(against["late", "train"], key=lambda k: (k.split("+")[0], "+" in k)):
+      cells = [_paired_cell(against[k][method]) for k in paired]
+      lines.append(f"| {method} - GRPO | {len(against['late', 'train'][method])} | "
+                   + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

@@ -266,3 +266,14 @@ def test_script_rejects_bad_process_flags_before_importing_jax(flags, match):
   p = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True,
                      timeout=60, check=False)
   assert p.returncode != 0 and match in p.stderr
+
+
+def test_ppo_trains_its_critic_across_two_processes(tmp_path):
+  """--algo ppo over two processes: the critic's values, GAE and both updates run on the global
+  batch, and each process ends with the same policy and critic."""
+  res = demo.run_demo(str(tmp_path), num_processes=2, devices=2, iters=2, algo="ppo")
+  p0, p1 = res["multi"]
+  assert p0["sha256"] == p1["sha256"]
+  for row in p0["rows"]:
+    assert row["num_updates"] >= 1 and row["critic_skipped_updates"] == 0
+    assert np.isfinite(row["value_loss"]) and np.isfinite(row["critic_grad_norm"])

@@ -508,3 +508,25 @@ def test_report_compares_every_environment_after_the_common_iteration(tmp_path, 
   assert "| GRPO+SALT - GRPO | all 2, pooled | 6 |" in md and "salt_minus_base.png" in md
   monkeypatch.setattr(study_report, "COMPARE_ITERS", 3)  # measured by no run: no section
   assert "in every environment" not in study_report.report(str(out))
+
+
+def test_each_method_is_paired_with_grpo_of_its_seed():
+  """GiGPO, PPO (and RLOO) beside GRPO: each run minus GRPO's run of the same seed, in its own
+  table; GRPO+SALT's difference is SALT's (the table above), so it is not repeated."""
+  runs = _four_methods() + [_check_run("gigpo", False, s, 0.5, 0.6, 0.7 + 0.01 * s)
+                            for s in (0, 2)] + [_check_run("ppo", True, 1, 0.5, 0.5, 0.5)]
+  eff = study_report.grpo_effects(runs, 4)
+  assert set(eff) == {"RLOO", "RLOO+SALT", "GIGPO", "PPO+SALT"}
+  assert eff["GIGPO"] == [(0, pytest.approx(0.1)), (2, pytest.approx(0.08))]
+  assert eff["PPO+SALT"] == [(1, pytest.approx(0.5 - 0.62))]
+  assert eff["RLOO"] == [(s, pytest.approx(0.0)) for s in (0, 1, 2)]
+  text = study_report.four_methods_tables(runs)
+  assert "Each method minus GRPO" in text
+  m, lo, hi = study_report.t_interval([10.0, 8.0])
+  assert "| GIGPO - GRPO | 2 | " in text and f"{m:+.1f} ({lo:+.1f} to {hi:+.1f}); 2/0/0" in text
+  assert "| GRPO+SALT - GRPO |" in text and text.count("| GRPO+SALT - GRPO |") == 1
+  with pytest.raises(ValueError, match="two runs"):
+    study_report.grpo_effects(runs + runs[-1:], 4)
+  # Without other methods than GRPO's the table is left out.
+  assert "minus GRPO" not in study_report.four_methods_tables(
+      [r for r in runs if r["algo"] == "grpo"])
