@@ -44,6 +44,14 @@ expert, RL as above), with held-out tasks measured beside the training ones:
       --set reward_scale=10.0 --set invalid_action_penalty=0.1 --set invalid_step=format \
       --set algo=grpo --out docs/study/textworld-four-methods/runs.jsonl    # and algo=rloo
 
+GRPO, GiGPO and PPO with a critic (each with and without SALT) in the fast test's setting, a
+clone per seed (docs/study.md; the report tabulates docs/study/toy-baselines/*.jsonl):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python \
+      experiments/learning_check.py --seeds 1 2 3 4 5 --salt both --iters 20 --eval-at 10 \
+      --eval-rounds 4 --out docs/study/toy-baselines/grpo.jsonl   # and, each to its own file,
+      # --set algo=gigpo --set gamma=0.95; --set algo=ppo --set critic_lr=1e-3
+
 The h and G ablations (docs/study.md) are the same command with --iters 20 --eval-at 10, seeds
 0 1 2, and --set salt_history=H --salt on (docs/study/toy-history) or --set group_size=G
 --eval-group-size 8 --salt both (docs/study/toy-group-size: each G measured on 8 trajectories a

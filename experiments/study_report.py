@@ -358,6 +358,11 @@ FOUR_METHODS = {
                  "alfworld_four_methods.png"),
 }
 TOY_FOUR_METHODS = FOUR_METHODS["toy"][0]
+# The baselines beside GRPO (issue #42): GRPO, GiGPO and PPO with a critic, each with and without
+# SALT, in the fast learning test's setting (a clone per seed; docs/study/<folder>/*.jsonl, one
+# file per command).
+BASELINES = ("toy-baselines", "GRPO, GiGPO and PPO with a critic on the toy tasks (the fast "
+             "test's setting)", "toy_baselines.png")
 
 
 def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
@@ -835,6 +840,13 @@ def four_methods_runs(out: str, env: str) -> list[dict]:
   return read_jsonl(path) if os.path.exists(path) else []
 
 
+def baseline_runs(out: str) -> list[dict]:
+  """The runs of every JSON-lines file in `out`/BASELINES' folder; []."""
+  from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
+  return [r for f in sorted(glob.glob(os.path.join(out, BASELINES[0], "*.jsonl")))
+          for r in read_jsonl(f)]
+
+
 def sweep_sets(out: str, env: str) -> dict[str, list[dict]]:
   """`env`'s learning-check runs under `out`: {"four-methods": its runs.jsonl, "h" / "G": the
   sweep's own files (SWEEPS' folder, e.g. `out`/toy-history/*.jsonl) with the four methods' runs
@@ -914,6 +926,14 @@ def report(out: str) -> str:
            f"Sampled success on the training tasks (fixed keys neither training nor cloning "
            f"uses{held}).", "", four_methods_tables(runs), ""]
     md += [f"![{env} four methods]({os.path.relpath(f, docs)})"
+           for f in four_methods_figure(runs, docs, figure)] + [""]
+  folder, title, figure = BASELINES
+  runs = baseline_runs(out)
+  if runs:
+    md += [f"## {title} ({folder}; `experiments/learning_check.py`)", "",
+           "Sampled success on the training tasks (fixed keys neither training nor cloning "
+           "uses).", "", four_methods_tables(runs), ""]
+    md += [f"![baselines]({os.path.relpath(f, docs)})"
            for f in four_methods_figure(runs, docs, figure)] + [""]
   by_env = {env: measured for env in FOUR_METHODS if (measured := [
       r for r in four_methods_runs(out, env) if _measured_after(r, COMPARE_ITERS)])}

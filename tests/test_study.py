@@ -530,3 +530,20 @@ def test_each_method_is_paired_with_grpo_of_its_seed():
   # Without other methods than GRPO's the table is left out.
   assert "minus GRPO" not in study_report.four_methods_tables(
       [r for r in runs if r["algo"] == "grpo"])
+
+
+def test_report_adds_the_baselines_from_their_folder(tmp_path):
+  """Runs of GRPO, GiGPO and PPO (+SALT) in BASELINES' folder, one file per command: the report
+  adds their tables, with each method against GRPO."""
+  out = tmp_path / "docs" / "study"
+  folder = out / study_report.BASELINES[0]
+  folder.mkdir(parents=True)
+  for algo in ("grpo", "gigpo", "ppo"):
+    runs = [_check_run(algo, salt, s, 0.3, 0.4, 0.5 + 0.01 * s) for s in (1, 2)
+            for salt in (False, True)]
+    (folder / f"{algo}.jsonl").write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+  assert len(study_report.baseline_runs(str(out))) == 12
+  md = study_report.report(str(out))
+  assert "GRPO, GiGPO and PPO with a critic on the toy tasks" in md
+  assert "| GIGPO+SALT - GIGPO |" in md and "| PPO - GRPO |" in md
+  assert os.path.getsize(tmp_path / "docs" / study_report.BASELINES[2]) > 0
