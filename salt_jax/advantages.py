@@ -231,6 +231,13 @@ def gae_advantages(token_rewards, values, mask, *, gamma=1.0, lam=1.0):
     finite somewhere on its mask gets advantage 0 and returns equal to its values (0 where those
     are not finite), so it neither moves the policy nor trains the critic.
   """
+  adv, returns, _ = _gae_with_finite(token_rewards, values, mask, gamma, lam)
+  return adv, returns
+
+
+def _gae_with_finite(token_rewards, values, mask, gamma, lam):
+  """`gae_advantages`'s (advantages, returns) and bool[S, T]: the mask's tokens of the sequences
+  whose rewards and values are finite (those GAE scored)."""
   _checks.check_rank("token_rewards", token_rewards, 2)
   _checks.check_same_shape("values", values, "token_rewards", token_rewards)
   mask = _checks.as_mask("mask", mask, token_rewards)
@@ -254,7 +261,7 @@ def gae_advantages(token_rewards, values, mask, *, gamma=1.0, lam=1.0):
   adv = jnp.where(mask, adv.T, 0.0)
   returns = jnp.where(mask, jnp.where(ok, adv + v, jnp.nan_to_num(values, nan=0.0, posinf=0.0,
                                                                    neginf=0.0)), 0.0)
-  return adv, returns
+  return adv, returns, mask & ok
 
 
 def masked_whiten(x, mask, eps=1e-8):
@@ -294,12 +301,9 @@ def _gae(inputs: EstimatorInputs, num_groups: int, *, gamma: float = 1.0,
   """PPO's advantages from a critic, as verl computes them: `gae_advantages` over the GAE
   sequences, whitened over every response token of the batch; and the critic's returns."""
   del num_groups  # a critic's baseline needs no groups
-  adv, returns = gae_advantages(inputs.token_rewards, inputs.token_values, inputs.token_mask,
-                                gamma=gamma, lam=gae_lambda)
-  mask = jnp.asarray(inputs.token_mask).astype(bool)
-  live = mask & _finite_sequences(jnp.asarray(inputs.token_rewards, jnp.float32),
-                                  jnp.asarray(inputs.token_values, jnp.float32), mask)
-  return masked_whiten(adv, live), returns
+  adv, returns, scored = _gae_with_finite(inputs.token_rewards, inputs.token_values,
+                                          inputs.token_mask, gamma, gae_lambda)
+  return masked_whiten(adv, scored), returns
 
 
 class Estimator(NamedTuple):

@@ -12,7 +12,7 @@ frozen base (passed in as `frozen`, held once): a LoRA critic costs adapters, no
 The vocabulary head of a full trunk copy is never read (values come from the hidden states).
 
   init_critic(params, hidden_size, key)                     -> critic params
-  critic_values(graphdef, critic, batch, frozen, chunk)     -> f32[B, L] values
+  critic_values(graphdef, critic, ids, mask, positions, frozen) -> f32[B, L] values
   critic_programs(config, graphdef, tx, rows, shardings...) -> (values, critic_step), jitted
   critic_optimizer(config)                                  -> AdamW at config.critic_lr
 

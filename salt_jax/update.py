@@ -77,8 +77,8 @@ def step_advantages(inputs: EstimatorInputs, *, algo: str, num_groups: int, num_
   count = jax.ops.segment_sum(live.reshape(-1).astype(jnp.float32), seg, n + 1)[:n]
   before = jnp.where(count > 0, sums / jnp.maximum(count, 1.0), 0.0)
   after = refine(before, inputs.merge_ids, num_segments, inputs.mask) if salt else before
-  shift = jnp.where(live, (after - before)[jnp.clip(steps, 0, n - 1)], 0.0)
-  return StepAdvantages(before, after, token_adv + shift, returns)
+  return StepAdvantages(before, after, token_adv + token_advantages(after - before, steps),
+                        returns)
 
 
 def estimator_options(config) -> tuple:
