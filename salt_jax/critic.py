@@ -29,6 +29,7 @@ from flax import nnx
 
 from salt_jax.accumulate import microbatched_rows, microbatched_value_and_grad
 from salt_jax.loss import ValueLossMetrics, aggregate_weight, value_loss
+from salt_jax.update import finite_update
 
 
 def init_critic(params, hidden_size: int, key: jax.Array) -> dict:
@@ -99,14 +100,10 @@ def critic_programs(config, graphdef, tx: optax.GradientTransformation, rows: in
 
   def critic_step(critic, opt_state, mb, frozen=None):
     (loss, m), grads = grad_fn(critic, mb, frozen)
-    gnorm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-    updates, new_opt = tx.update(grads, opt_state, critic)
-    new_critic = optax.apply_updates(critic, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    critic, opt_state, gnorm, ok = finite_update(tx, grads, opt_state, critic, loss)
     out = dict(value_loss=m.value_loss, value_clip_fraction=m.value_clip_fraction,
                value_mean=m.value_mean, critic_grad_norm=gnorm, skipped=~ok)
-    return keep(new_critic, critic), keep(new_opt, opt_state), out
+    return critic, opt_state, out
 
   return jax.jit(values), jax.jit(critic_step, donate_argnums=(0, 1),
                                   out_shardings=(critic_shardings, opt_shardings, None))

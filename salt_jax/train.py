@@ -570,10 +570,9 @@ class Trainer:
     """f32[B, L] on the host: the critic's value at every position of `tb`, mini-batch by
     mini-batch (each cut to its own length, as `_minibatches` cuts them)."""
     values = np.zeros(tb.input_ids.shape, np.float32)
-    res = [self._values(self.critic, self._put(mb["input_ids"]), self._put(mb["attention_mask"]),
-                        self._put(mb["positions"]), self.frozen) for mb in mbs]
-    for i, r in enumerate(res):
-      r = multihost.to_host(r)
+    scored = self._score_minibatches(self._values, self.critic, mbs,
+                                     ("input_ids", "attention_mask", "positions"))
+    for i, r in enumerate(scored):
       values[i * self.rows:(i + 1) * self.rows, :r.shape[1]] = r
     return values
 
@@ -610,9 +609,13 @@ class Trainer:
     return out
 
   def _logprobs_all(self, params, mbs: list[dict]) -> list[np.ndarray]:
-    res = [self._logprobs(params, self._put(mb["input_ids"]), self._put(mb["targets"]),
-                          self._put(mb["attention_mask"]), self._put(mb["positions"]),
-                          self.frozen) for mb in mbs]
+    return self._score_minibatches(self._logprobs, params, mbs,
+                                   ("input_ids", "targets", "attention_mask", "positions"))
+
+  def _score_minibatches(self, program, weights, mbs: list[dict], fields) -> list[np.ndarray]:
+    """`program(weights, *mb[fields], frozen)` on the host for every mini-batch: all are
+    dispatched before the first is read back, so the device never waits on the host."""
+    res = [program(weights, *(self._put(mb[f]) for f in fields), self.frozen) for mb in mbs]
     return [multihost.to_host(r) for r in res]
 
   def iteration(self) -> dict:

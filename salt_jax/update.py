@@ -3,6 +3,7 @@
   step_advantages_program(algo, num_groups, num_segments, salt) -> jitted
       (EstimatorInputs) -> StepAdvantages (before and after SALT; a critic's token advantages)
   update_programs(config, graphdef, tx, rows, shardings...) -> (logprobs, train_step), jitted
+  finite_update(tx, grads, opt_state, params, loss): an optimizer step kept only when finite
   lr_schedule(config), optimizer(config, schedule)
 
 Each is a module-level function of its settings, so the same programs compile ahead of time for
@@ -122,6 +123,18 @@ def optimizer(config: TrainConfig, schedule) -> optax.GradientTransformation:
                      optax.adamw(schedule, weight_decay=config.weight_decay))
 
 
+def finite_update(tx: optax.GradientTransformation, grads, opt_state, params, loss):
+  """One `tx` step on `params`, applied only when `loss` and the gradient's global norm are
+  finite: otherwise params and optimizer state (its step count too) come back unchanged, so one
+  bad batch never poisons a run. Returns (params, opt_state, grad_norm, ok)."""
+  gnorm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+  updates, new_opt = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+  return keep(new_params, params), keep(new_opt, opt_state), gnorm, ok
+
+
 def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformation, rows: int,
                     param_shardings, opt_shardings):
   """The trainer's two jitted device programs over the policy `graphdef`'s params.
@@ -190,16 +203,11 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
   def train_step(params, opt_state, mb, step_adv, frozen=None):
     """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
     (loss, (m, ent)), grads = grad_fn(params, mb, step_adv, frozen)
-    gnorm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    # Never apply a non-finite update: keep params and optimizer state (its step count too).
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    params, opt_state, gnorm, ok = finite_update(tx, grads, opt_state, params, loss)
     out = dict(loss=loss, grad_norm=gnorm, kl=m.kl, clip_fraction=m.clip_fraction,
                pg_loss=m.pg_loss, ratio_mean=m.ratio_mean, approx_kl_old=m.approx_kl_old,
                entropy=ent, skipped=~ok)
-    return keep(new_params, params), keep(new_opt, opt_state), out
+    return params, opt_state, out
   # Outputs pinned to the inputs' shardings: otherwise the second call sees params laid out
   # as XLA chose and compiles again.
   return jax.jit(logprobs), jax.jit(train_step, donate_argnums=(0, 1),

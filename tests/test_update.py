@@ -207,3 +207,35 @@ def test_mixed_precision_step_keeps_float32_master_weights(mesh):
   for k in ("loss", "pg_loss", "entropy"):
     np.testing.assert_allclose(mix_m[k], f32_m[k], rtol=0.05, atol=1e-3, err_msg=k)
   np.testing.assert_allclose(mix_m["grad_norm"], f32_m["grad_norm"], rtol=0.05)
+
+
+@pytest.mark.parametrize("bad", ["none", "nan_loss", "inf_grad", "nan_grad"])
+def test_finite_update_applies_a_finite_step_and_keeps_everything_otherwise(bad):
+  """update.finite_update against optax's own step: applied when loss and gradient are finite,
+  and otherwise params and AdamW state (its count too) come back as they were."""
+  params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+  grads = {"w": jnp.full((2, 3), 0.5), "b": jnp.array([1.0, -2.0, 3.0])}
+  loss = jnp.float32(1.25)
+  if bad == "nan_loss":
+    loss = jnp.float32(np.nan)
+  elif bad == "inf_grad":
+    grads["b"] = grads["b"].at[1].set(np.inf)
+  elif bad == "nan_grad":
+    grads["w"] = grads["w"].at[0, 0].set(np.nan)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, weight_decay=0.01))
+  opt = tx.init(params)
+  new_params, new_opt, gnorm, ok = jax.jit(update.finite_update, static_argnums=0)(
+      tx, grads, opt, params, loss)
+  expected_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
+                              for g in grads.values()))
+  if bad == "none":
+    assert bool(ok)
+    np.testing.assert_allclose(float(gnorm), expected_norm, rtol=1e-6)
+    updates, want_opt = tx.update(grads, opt, params)
+    want = optax.apply_updates(params, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new_params, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new_opt, want_opt)
+  else:
+    assert not bool(ok)
+    jax.tree.map(np.testing.assert_array_equal, new_params, params)
+    jax.tree.map(np.testing.assert_array_equal, new_opt, opt)
