@@ -13,6 +13,10 @@ the topology's devices (`jax.experimental.topologies`). The programs are the one
             micro-batched gradients, the optax (AdamW) update; one mini-batch of
             `minibatch_rows` rows of the step rows' bucketed length (`batching.bucket_length`).
   logprobs  the same call's log-prob program (old and reference log-probs) on one mini-batch.
+  critic    with a critic's estimator (`--recipe ppo`, `--set algo=ppo`): `salt_jax.critic`'s
+            critic step (the clipped value loss, micro-batched gradients, its AdamW) on one
+            mini-batch; the critic is the policy's trained state plus a float32 value head.
+  values    the critic's value program on one mini-batch.
   prefill   `Sampler`'s prefill of a full batch bucket (16 tasks x G rows) of longest prompts.
   decode    `Sampler`'s decode loop (its compiled while-loop body is one decode step).
 
@@ -75,7 +79,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from bench_gpu import chip_limits  # noqa: E402
-from salt_jax import batching, sampling, update  # noqa: E402
+from salt_jax import batching, critic, sampling, update  # noqa: E402
+from salt_jax.advantages import ESTIMATORS  # noqa: E402
 from salt_jax.config import PARAM_DTYPES, TrainConfig, parse_overrides  # noqa: E402
 from salt_jax.models import CausalLM, ModelConfig, default_attention_impl, lora  # noqa: E402
 from salt_jax.models.config import PRESETS, REMAT_POLICIES  # noqa: E402
@@ -83,7 +88,9 @@ from salt_jax.models.partitioning import ActivationSharding, shardings_for_state
 from salt_jax.recipes import RECIPES  # noqa: E402
 from salt_jax.sharding import batch_sharding, make_mesh, replicated  # noqa: E402
 
-PROGRAMS = ("update", "logprobs", "prefill", "decode")
+PROGRAMS = ("update", "logprobs", "critic", "values", "prefill", "decode")
+CRITIC_PROGRAMS = ("critic", "values")  # compiled only for an estimator with a critic (PPO)
+CRITIC_TARGETS = ("old_values", "returns")  # mini-batch fields only the critic step reads
 # HBM per chip (GiB, vendor sheets) by device_kind; a chip's TensorCores split it when the
 # topology gives one device per core.
 CHIP_HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
@@ -230,11 +237,14 @@ def _on(mesh: Mesh, shape, dtype, batch: bool = True) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def minibatch(mesh: Mesh, rows: int, length: int) -> dict:
-  """The trainer's mini-batch dict (`Trainer._minibatches` plus ref_logprobs) as shapes."""
+def minibatch(mesh: Mesh, rows: int, length: int, with_critic: bool = False) -> dict:
+  """The trainer's mini-batch dict (`Trainer._minibatches` plus ref_logprobs) as shapes; with a
+  critic also each token's advantage, return and old value (`Trainer._fill_critic_batch`: the
+  update reads the advantages, the critic step the returns and old values)."""
   ints = ("input_ids", "targets", "token_step_ids", "positions")
   bools = ("loss_mask", "attention_mask")
-  floats = ("old_logprobs", "ref_logprobs")
+  floats = ("old_logprobs", "ref_logprobs") + (("advantages", "returns", "old_values")
+                                                if with_critic else ())
   out = {k: _on(mesh, (rows, length), jnp.int32) for k in ints}
   out.update({k: _on(mesh, (rows, length), jnp.bool_) for k in bools})
   out.update({k: _on(mesh, (rows, length), jnp.float32) for k in floats})
@@ -338,7 +348,9 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
                                  jax.tree.map(lambda x: x.sharding, opt_state))
 
   def args_for(name, rows, length, params_in):
-    mb = minibatch(mesh, rows, length)
+    mb = minibatch(mesh, rows, length, with_critic=ESTIMATORS[cfg.algo].critic)
+    for k in CRITIC_TARGETS:  # the trainer hands these to the critic step only
+      mb.pop(k, None)
     if name == "update":
       return (params_in, opt_state, mb, step_adv, frozen)
     return (params_in, mb["input_ids"], mb["targets"], mb["attention_mask"], mb["positions"],
@@ -382,6 +394,71 @@ def compile_update(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
     report.note = (report.note + f"; flops: {flop_rows}-row twin x {shape.rows // flop_rows}"
                    ).strip("; ")
   out["_state"] = dict(params=param_b, opt_state=opt_b, ref_params=ref_b, frozen=frozen_b)
+  return out
+
+
+def abstract_critic(params, hidden_size: int, mesh: Mesh) -> dict:
+  """`critic.init_critic(params, ...)` as ShapeDtypeStructs: the trunk on the policy's
+  parameter shardings (a copy of the trained state), the float32 head replicated."""
+  head = {"kernel": _on(mesh, (hidden_size,), jnp.float32, batch=False),
+          "bias": _on(mesh, (), jnp.float32, batch=False)}
+  return {"trunk": params, "head": head}
+
+
+def compile_critic(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
+                   programs: Sequence[str] = CRITIC_PROGRAMS, flops: bool = True,
+                   policy_bytes: int = 0) -> dict[str, ProgramReport]:
+  """PPO's critic programs (`salt_jax.critic.critic_programs`) at `shape`, compiled for `mesh`.
+
+  policy_bytes: the policy's state the device holds beside them (params, AdamW state, reference
+    and frozen base: `compile_update`'s `_state`), counted as resident. The critic step takes the
+    critic and its AdamW state (donated); the value program takes the critic, its AdamW state
+    resident. Returns the reports and `_state`: the critic's and its AdamW state's bytes.
+  """
+  cfg = shape.config
+  _, graphdef, params = abstract_policy(model_config, mesh, jnp.dtype(cfg.param_dtype),
+                                        cfg.compute_dtype, lora_rank=cfg.lora_rank,
+                                        lora_alpha=cfg.lora_alpha)
+  frozen = None
+  if cfg.lora_rank:  # the critic's own adapters on the policy's frozen base
+    params, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+  tree = abstract_critic(params, model_config.hidden_size, mesh)
+  tx = critic.critic_optimizer(cfg)
+  opt_state = abstract_opt_state(tx, tree, mesh)
+  critic_b, opt_b = device_bytes(tree), device_bytes(opt_state)
+  shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
+
+  def programs_for(config, rows):
+    return critic.critic_programs(config, graphdef, tx, rows, shard_of(tree),
+                                  shard_of(opt_state))
+
+  def args_for(name, rows):
+    mb = minibatch(mesh, rows, shape.seq_len, with_critic=True)
+    if name == "critic":  # the fields `Trainer._update` hands the critic step
+      fields = ("input_ids", "attention_mask", "positions", "loss_mask") + CRITIC_TARGETS
+      return (tree, opt_state, {k: mb[k] for k in fields}, frozen)
+    return (tree, mb["input_ids"], mb["attention_mask"], mb["positions"], frozen)
+
+  values, critic_step = programs_for(cfg, shape.rows)
+  micro = cfg.microbatch_rows if cfg.microbatch_rows else int(mesh.shape["data"])
+  out = {}
+  for name in programs:
+    fn = critic_step if name == "critic" else values
+    resident = policy_bytes + (0 if name == "critic" else opt_b)
+    report, _ = compile_program(name, fn, args_for(name, shape.rows), resident)
+    out[name] = report
+    report.flops = None  # the compiled count holds one pass of each loop: not the step's
+    if not flops:
+      continue
+    flop_rows = micro if name == "critic" else int(mesh.shape["data"])
+    twin_values, twin_step = programs_for(
+        dataclasses.replace(cfg, microbatch_rows=0, logprob_microbatch_rows=0), flop_rows)
+    twin, _ = compile_program(name + "-flops", twin_step if name == "critic" else twin_values,
+                              args_for(name, flop_rows), 0)
+    report.flops = (twin.flops * shape.rows / flop_rows if twin.fits and twin.flops is not None
+                    else None)
+    report.note = f"flops: {flop_rows}-row twin x {shape.rows // flop_rows}"
+  out["_state"] = dict(critic=critic_b, critic_opt_state=opt_b)
   return out
 
 
@@ -470,6 +547,8 @@ def format_report(reports: Mapping[str, ProgramReport], state: Mapping[str, int]
            f"params {_gib(state['params'])} GiB, optimizer state {_gib(state['opt_state'])} GiB, "
            f"reference params {_gib(state['ref_params'])} GiB"
            + (f", frozen base {_gib(state['frozen'])} GiB" if state.get("frozen") else "")
+           + (f", critic {_gib(state['critic'])} GiB, its optimizer state "
+              f"{_gib(state['critic_opt_state'])} GiB" if state.get("critic") else "")
            + f"; HBM {_gib(chip['hbm'])} GiB "
            f"nominal, {_gib(limit)} GiB the compiler allows",
            f"{'program':9} {'fits':>4} {'resident':>8} {'args':>7} {'out-alias':>9} "
@@ -501,7 +580,9 @@ def main(argv=None) -> int:
   ap.add_argument("--model", required=True, choices=sorted(PRESETS))
   ap.add_argument("--recipe", default="verl-agent", choices=sorted(RECIPES),
                   help="the run's settings (salt_jax.recipes), before the options below")
-  ap.add_argument("--programs", default=",".join(PROGRAMS))
+  ap.add_argument("--programs", default=None,
+                  help=f"comma-separated, of {','.join(PROGRAMS)} (default: all the run uses; "
+                       "the critic's with a critic's estimator)")
   ap.add_argument("--num-layers", type=int, default=None,
                   help="the preset with this many decoder layers (same widths): a full-depth "
                        "compile takes 2 to 50 minutes here; memory grows linearly with layers")
@@ -552,10 +633,17 @@ def main(argv=None) -> int:
   except ValueError as e:
     ap.error(str(e))
   config = TrainConfig.from_recipe(args.recipe, **overrides)
-  programs = [p.strip() for p in args.programs.split(",") if p.strip()]
+  has_critic = config.algo in ESTIMATORS and ESTIMATORS[config.algo].critic
+  if args.programs is None:
+    programs = [p for p in PROGRAMS if has_critic or p not in CRITIC_PROGRAMS]
+  else:
+    programs = [p.strip() for p in args.programs.split(",") if p.strip()]
   unknown = set(programs) - set(PROGRAMS)
   if unknown:
     ap.error(f"unknown programs {sorted(unknown)}; known: {PROGRAMS}")
+  if not has_critic and set(programs) & set(CRITIC_PROGRAMS):
+    ap.error(f"the programs {CRITIC_PROGRAMS} need a critic's estimator (--recipe ppo or --set "
+             f"algo=ppo); algo {config.algo!r} has none")
   mesh = topology_mesh(args.topology, args.mesh, args.chip_config)
   data = int(mesh.shape["data"])
   try:
@@ -592,8 +680,21 @@ def main(argv=None) -> int:
                            [p for p in programs if p in ("update", "logprobs")],
                            flops=not args.no_flops, resident_as_args=args.resident_as_args)
   state = reports.pop("_state")
+  if has_critic:
+    critic_reports = compile_critic(
+        shape, mesh, model_config, [p for p in programs if p in CRITIC_PROGRAMS],
+        flops=not args.no_flops,
+        # with LoRA the frozen base is the critic's argument, not resident
+        policy_bytes=state["params"] + state["opt_state"] + state["ref_params"])
+    state.update(critic_reports.pop("_state"))
+    reports.update(critic_reports)
+    # The policy's programs: the critic and its optimizer state stay resident beside them.
+    for name in ("update", "logprobs"):
+      if name in reports:
+        reports[name].resident_bytes += state["critic"] + state["critic_opt_state"]
   # the sampler takes the params (with LoRA the base and the adapters)
-  resident = state["opt_state"] + state["ref_params"]
+  resident = (state["opt_state"] + state["ref_params"] + state.get("critic", 0)
+              + state.get("critic_opt_state", 0))
   sampler_programs = [p for p in programs if p in ("prefill", "decode")]
   if sampler_programs:
     reports.update(compile_sampler(shape, mesh, model_config, args.prompt_len, sampler_programs,

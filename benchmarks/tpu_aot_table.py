@@ -47,7 +47,7 @@ GIB = 2**30
 # Programs with a backward pass keep each layer's activations (or, with layer remat, its input):
 # their bytes grow linearly with depth and carry. A forward pass reuses one layer's working set,
 # so its temporaries do not, and it is tabulated only where compiled at full depth.
-BACKWARD_PROGRAMS = ("update", "lora")
+BACKWARD_PROGRAMS = ("update", "lora", "critic")
 SAMPLER_PROGRAMS = ("prefill", "decode")
 UTILISATION = 0.4  # the share of peak FLOP/s for the second step time
 
@@ -58,7 +58,7 @@ def _key(d: dict, name: str) -> tuple:
   query-block attention and resident-state arguments."""
   c = d["config"]
   rows_a_pass, minibatch = c["microbatch_rows"], c["minibatch_rows"]
-  if name == "logprobs":  # a file without the field: the log-probs ran the mini-batch at once
+  if name in ("logprobs", "values"):  # without the field: the log-probs ran the mini-batch at once
     rows_a_pass = (c["logprob_microbatch_rows"] or rows_a_pass
                    if "logprob_microbatch_rows" in c else 0)
   if name in SAMPLER_PROGRAMS:  # the whole iteration's trajectories in one batch
@@ -70,6 +70,8 @@ def _key(d: dict, name: str) -> tuple:
     label += " (query blocks)"
   if name and d.get("resident_as_args"):
     label += " (state as args)"
+  if name and c.get("algo") == "ppo":  # the critic and its AdamW state resident beside it
+    label += " (PPO)"
   dtype = c["param_dtype"]
   if c.get("compute_dtype") not in (None, dtype):
     dtype += f" ({c['compute_dtype']} compute)"
@@ -168,7 +170,9 @@ def markdown(table: list[dict]) -> str:
   for r in table:
     st = r["state"]
     state = "-" if not st else (f"{g(st['params'])}, {g(st['opt_state'])}, {g(st['ref_params'])}"
-                                + (f"; frozen base {g(st['frozen'])}" if st.get("frozen") else ""))
+                                + (f"; frozen base {g(st['frozen'])}" if st.get("frozen") else "")
+                                + (f"; critic {g(st['critic'])}, its AdamW "
+                                   f"{g(st['critic_opt_state'])}" if st.get("critic") else ""))
     micro = "-" if r["minibatch"] is None else f"{r['micro'] or r['minibatch']} / {r['minibatch']}"
     lines.append(
         f"| {r['model']} | {r['topology']} | {r['mesh']} | {r['dtype']} / {r['ref_dtype']} | "

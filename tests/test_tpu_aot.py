@@ -20,6 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 import tpu_aot  # noqa: E402
+from flax import nnx  # noqa: E402
+
 from salt_jax import update  # noqa: E402
 from salt_jax.config import TrainConfig  # noqa: E402
 from salt_jax.models import ModelConfig  # noqa: E402
@@ -258,3 +260,86 @@ def test_lora_update_takes_the_base_as_an_argument_and_donates_only_the_adapters
   sampler = tpu_aot.compile_sampler(shape, mesh, MODEL, PROMPT, ("prefill",))
   assert sampler["prefill"].fits
   assert sampler["prefill"].argument_bytes > state["frozen"] + state["params"]
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_critic_figures_are_the_compiled_programs(mesh, lora_rank):
+  """With a critic's estimator (PPO) the critic step and the value program compile as the
+  trainer builds them (`critic.critic_programs`): the critic (the trained state plus a float32
+  head) and its AdamW state are donated by the step; with LoRA the frozen base is the critic's
+  argument too, shared with the policy."""
+  from salt_jax import critic  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(CONFIG, algo="ppo", lora_rank=lora_rank)
+  shape = tpu_aot.run_shape(cfg, mesh, PROMPT, jnp.dtype(jnp.float32))
+  policy = tpu_aot.compile_update(shape, mesh, MODEL, ("update",), flops=False)
+  policy_state = policy.pop("_state")
+  reports = tpu_aot.compile_critic(shape, mesh, MODEL, policy_bytes=1000)
+  state = reports.pop("_state")
+
+  _, graphdef, params = tpu_aot.abstract_policy(MODEL, mesh, jnp.float32, lora_rank=lora_rank)
+  frozen = None
+  if lora_rank:
+    params, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+  tree = tpu_aot.abstract_critic(params, MODEL.hidden_size, mesh)
+  # The critic is the policy's trained state (its adapters with LoRA) plus a head of D + 1
+  # floats (as the TPU pads them).
+  assert state["critic"] == policy_state["params"] + tpu_aot.device_bytes(tree["head"])
+  assert tpu_aot.device_bytes(tree["head"]) < policy_state["params"] / 10
+  tx = critic.critic_optimizer(cfg)
+  opt = tpu_aot.abstract_opt_state(tx, tree, mesh)
+  assert state["critic_opt_state"] == tpu_aot.device_bytes(opt)
+  shard_of = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
+  values, step = critic.critic_programs(cfg, graphdef, tx, 8, shard_of(tree), shard_of(opt))
+  mb = tpu_aot.minibatch(mesh, 8, 48, with_critic=True)
+  critic_mb = {k: mb[k] for k in ("input_ids", "attention_mask", "positions", "loss_mask",
+                                  "old_values", "returns")}
+  step_mem = _compiled(step, (tree, opt, critic_mb, frozen)).memory_analysis()
+  values_mem = _compiled(values, (tree, mb["input_ids"], mb["attention_mask"], mb["positions"],
+                                  frozen)).memory_analysis()
+  for name, mem in (("critic", step_mem), ("values", values_mem)):
+    report = reports[name]
+    assert report.fits and report.flops > 0
+    assert report.argument_bytes == mem.argument_size_in_bytes
+    assert report.temp_bytes == mem.temp_size_in_bytes
+    assert report.alias_bytes == mem.alias_size_in_bytes
+  frozen_bytes = tpu_aot.device_bytes(frozen)
+  assert frozen_bytes == policy_state["frozen"]
+  # Values come from the hidden states: the frozen base's vocabulary head is never read, and the
+  # compiler drops it (a full trunk's copy of it is donated, so it stays an argument).
+  unread = tpu_aot.device_bytes(frozen["lm_head"]) if lora_rank else 0
+  assert step_mem.argument_size_in_bytes == (state["critic"] + state["critic_opt_state"]
+                                             + tpu_aot.device_bytes(critic_mb) + frozen_bytes
+                                             - unread)
+  assert reports["critic"].alias_bytes == state["critic"] + state["critic_opt_state"]
+  assert reports["values"].alias_bytes == 0
+  # Resident: the policy's state beside both; the critic's AdamW state beside the values.
+  assert reports["critic"].resident_bytes == 1000
+  assert reports["values"].resident_bytes == 1000 + state["critic_opt_state"]
+  # The policy's update reads each token's advantage from the mini-batch: the step advantages
+  # and the tokens' step ids that would broadcast them are unused, and the compiler drops them.
+  no_critic = tpu_aot.compile_update(tpu_aot.run_shape(
+      dataclasses.replace(CONFIG, lora_rank=lora_rank), mesh, PROMPT, jnp.dtype(jnp.float32)),
+      mesh, MODEL, ("update",), flops=False)
+  assert (policy["update"].argument_bytes - no_critic["update"].argument_bytes
+          == tpu_aot.device_bytes(mb["advantages"]) - tpu_aot.device_bytes(mb["token_step_ids"])
+          - tpu_aot.device_bytes(tpu_aot.step_advantages(cfg, mesh)))
+
+
+def test_critic_programs_follow_the_estimator(tmp_path, capsys):
+  """The default programs are the run's: the critic's only with a critic's estimator; asking
+  for them without one is refused."""
+  base = ["--topology", "v4:2x2x1", "--mesh", "4x2", "--model", "qwen2.5-1.5b", "--num-layers",
+          "1", "--no-flops", "--set", "max_new_tokens=16", "--set", "max_cache_len=64",
+          "--set", "tasks_per_iter=2", "--set", "minibatch_rows=8", "--set", "microbatch_rows=8",
+          "--set", "min_seq_len=16", "--set", "logprob_chunk=16"]
+  out = tmp_path / "ppo.json"
+  assert tpu_aot.main(base + ["--recipe", "ppo", "--programs", "values", "--json",
+                              str(out)]) == 0
+  rec = json.loads(out.read_text())
+  assert set(rec["programs"]) == {"values"} and rec["state"]["critic"] > rec["state"]["params"]
+  assert rec["programs"]["values"]["resident_bytes"] == (
+      rec["state"]["params"] + rec["state"]["opt_state"] + rec["state"]["ref_params"]
+      + rec["state"]["critic_opt_state"])
+  with pytest.raises(SystemExit):
+    tpu_aot.main(base + ["--programs", "critic"])
+  assert "need a critic's estimator" in capsys.readouterr().err
