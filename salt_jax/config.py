@@ -9,7 +9,8 @@
 
 `TrainConfig` inherits every section, so its fields are flat (`config.lr`, `TrainConfig(lr=3e-4)`)
 and each section stays a readable unit (the command line groups its flags by section,
-`salt_jax.cli`). Every field carries its help text in `metadata["help"]`. A run writes
+`salt_jax.cli`). Each section's `validate()` checks its own fields; `TrainConfig.validate()`
+runs them all, then checks what sections ask of each other. Every field carries its help text in `metadata["help"]`. A run writes
 `TrainConfig.to_json()` to `<out>/config.json`; `TrainConfig.from_json` reads it back, so a saved
 config re-runs its run (`--config <out>/config.json`).
 
@@ -42,6 +43,27 @@ def _field(default, help_: str):
   return dataclasses.field(default=default, metadata={"help": help_})
 
 
+def _need(ok: bool, msg: str) -> None:
+  if not ok:
+    raise ValueError(msg)
+
+
+def _pos_int(config, name: str, lo: int = 1) -> None:
+  v = getattr(config, name)
+  _need(isinstance(v, int) and not isinstance(v, bool) and v >= lo,
+        f"{name} must be an int >= {lo}, got {v!r}")
+
+
+def _one_of(config, name: str, choices) -> None:
+  _need(getattr(config, name) in choices,
+        f"unknown {name} {getattr(config, name)!r}; expected one of {tuple(choices)}")
+
+
+def _positive(config, name: str) -> None:
+  v = getattr(config, name)
+  _need(math.isfinite(v) and v > 0, f"{name} must be > 0, got {v}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
   """The environment and its tasks."""
@@ -60,6 +82,20 @@ class EnvConfig:
   eval_every: int = _field(0, "evaluate every N iterations (0: never)")
   env_workers: int = _field(1, "environment worker processes (0: in this process)")
   max_steps: int = _field(50, "steps an episode at most")
+
+  def validate(self) -> None:
+    """ValueError naming the first bad field of this section; the environment's arguments,
+    splits and task ids against the env's own (`envs.registry.check_env_config`)."""
+    from envs import registry  # pylint: disable=import-outside-toplevel
+    _one_of(self, "env", registry.names())
+    for name in ("max_steps", "num_eval_tasks"):
+      _pos_int(self, name)
+    for name in ("env_workers", "eval_every"):
+      _pos_int(self, name, 0)
+    _need(self.train_task_ids is None or (
+        len(self.train_task_ids) > 0 and all(isinstance(i, str) and i for i in self.train_task_ids)),
+          f"train_task_ids must be None or non-empty task id strings, got {self.train_task_ids!r}")
+    registry.check_env_config(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +130,37 @@ class PolicyConfig:
                                          "salt_jax.models.ATTENTION_IMPLS (default: "
                                          "default_attention_impl() picks one for the machine)")
 
+  def policy_shape(self):
+    """The policy's architecture (`salt_jax.models.ModelConfig`, without a tokenizer): the
+    --model's config.json (or the .gguf's), else the tiny policy's."""
+    # pylint: disable=import-outside-toplevel  (imports jax)
+    from salt_jax.models.config import read_model_config, tiny_policy_config
+    return (read_model_config(self.model) if self.model is not None
+            else tiny_policy_config(self.tiny_policy))
+
+  def validate(self) -> None:
+    """ValueError naming the first bad field of this section, including what it names: the
+    --model's config (or the tiny policy's shape), LoRA's targets on it, the folders."""
+    # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
+    from salt_jax.models.config import ATTENTION_IMPLS
+    _one_of(self, "param_dtype", PARAM_DTYPES)
+    if self.compute_dtype is not None:
+      _one_of(self, "compute_dtype", PARAM_DTYPES)
+    _one_of(self, "attention_impl", (None, *ATTENTION_IMPLS))
+    shape = self.policy_shape()
+    _pos_int(self, "lora_rank", 0)
+    if self.lora_rank:
+      from salt_jax.models.lora import check_targets
+      _need(self.lora_alpha is None or (isinstance(self.lora_alpha, (int, float))
+                                        and math.isfinite(self.lora_alpha) and self.lora_alpha > 0),
+            f"lora_alpha must be None or > 0, got {self.lora_alpha!r}")
+      check_targets(self.lora_targets, shape.num_layers)
+    _need(self.init_params is None or os.path.isdir(self.init_params),
+          f"init_params {self.init_params!r} is not a folder")
+    _need(self.model is not None or self.tokenizer in ("qwen25", "toy")
+          or os.path.isdir(self.tokenizer),
+          f"tokenizer must be 'qwen25', 'toy' or a local folder, got {self.tokenizer!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -122,6 +189,28 @@ class RolloutConfig:
                                "recomputed by the trainer)")
   vllm_kv_cache_gib: float = _field(4.0, "the vllm engine's KV cache, GiB "
                                     "(VLLM_CPU_KVCACHE_SPACE)")
+
+  def validate(self) -> None:
+    """ValueError naming the first bad field of this section."""
+    # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
+    from salt_jax.engines import ROLLOUT_ENGINES
+    from salt_jax.rollout import INVALID_STEP_MODES
+    _one_of(self, "invalid_step", INVALID_STEP_MODES)
+    _one_of(self, "rollout_engine", ROLLOUT_ENGINES)
+    for name in ("group_size", "tasks_per_iter", "max_new_tokens", "prompt_bucket_min",
+                 "prompt_buckets_per_doubling"):
+      _pos_int(self, name)
+    _pos_int(self, "top_k", 0)
+    _need(self.max_cache_len > self.max_new_tokens + 16,
+          f"max_cache_len ({self.max_cache_len}) must exceed max_new_tokens "
+          f"({self.max_new_tokens}) + 16 to leave room for a prompt")
+    _need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+    _need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+    _need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")
+    _need(self.prompt_history is None or self.prompt_history >= 0,
+          f"prompt_history must be None or >= 0, got {self.prompt_history}")
+    if self.rollout_engine == "vllm":
+      _positive(self, "vllm_kv_cache_gib")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +248,30 @@ class AlgorithmConfig:
   embedder: Optional[str] = _field(None, "merge by embeddings: minilm or a local "
                                    "sentence-transformers folder (default: exact matches)")
   embed_threshold: float = _field(0.8, "cosine above which embedded states and actions merge")
+
+  def validate(self) -> None:
+    """ValueError naming the first bad field of this section."""
+    # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
+    from salt_jax.advantages import ESTIMATORS, GIGPO_MODES
+    from salt_jax.rewards import GAE_SCOPES, GROUP_STATS, PENALTY_SCOPES
+    _one_of(self, "algo", ESTIMATORS)
+    _one_of(self, "penalty_scope", PENALTY_SCOPES)
+    _one_of(self, "group_stats", GROUP_STATS)
+    _one_of(self, "gae_scope", GAE_SCOPES)
+    _one_of(self, "gigpo_mode", GIGPO_MODES)
+    _pos_int(self, "salt_history")
+    _positive(self, "reward_scale")
+    _need(0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}")
+    _need(0 <= self.gae_lambda <= 1, f"gae_lambda must be in [0, 1], got {self.gae_lambda}")
+    _need(math.isfinite(self.step_advantage_w) and self.step_advantage_w >= 0,
+          f"step_advantage_w must be >= 0, got {self.step_advantage_w}")
+    _need(0 < self.anchor_similarity <= 1,
+          f"anchor_similarity must be in (0, 1], got {self.anchor_similarity}")
+    _need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
+          f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
+          f"{self.embedder!r}")
+    _need(0 < self.embed_threshold <= 1, f"embed_threshold must be in (0, 1], got "
+          f"{self.embed_threshold}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +317,41 @@ class UpdateConfig:
   min_seq_len: int = _field(64, "shortest padded row length")
   logprob_chunk: int = _field(256, "vocabulary projection chunk (tokens)")
 
+  def validate(self) -> None:
+    """ValueError naming the first bad field of this section."""
+    # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
+    from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
+    from salt_jax.models.config import REMAT_POLICIES
+    _one_of(self, "schedule", SCHEDULES)
+    _one_of(self, "layout", LAYOUTS)
+    _one_of(self, "kl_estimator", KL_ESTIMATORS)
+    _one_of(self, "loss_agg", LOSS_AGG_MODES)
+    _one_of(self, "remat_policy", REMAT_POLICIES)
+    for name in ("ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk"):
+      _pos_int(self, name)
+    for name in ("warmup_steps", "microbatch_rows", "logprob_microbatch_rows", "critic_warmup"):
+      _pos_int(self, name, 0)
+    _need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
+          f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
+          f"({self.minibatch_rows})")
+    _need(self.logprob_microbatch_rows == 0
+          or self.minibatch_rows % self.logprob_microbatch_rows == 0,
+          f"logprob_microbatch_rows ({self.logprob_microbatch_rows}) must divide minibatch_rows "
+          f"({self.minibatch_rows})")
+    _positive(self, "lr")
+    _need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+          f"weight_decay must be >= 0, got {self.weight_decay}")
+    _need(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+    _need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+    _need(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
+    _need(self.clip_eps_high is None or self.clip_eps_high > 0,
+          f"clip_eps_high must be None or > 0, got {self.clip_eps_high}")
+    _need(self.dual_clip is None or self.dual_clip > 1,
+          f"dual_clip must be None or > 1 (verl uses 3.0), got {self.dual_clip}")
+    _positive(self, "critic_lr")
+    _need(self.value_clip is None or (math.isfinite(self.value_clip) and self.value_clip > 0),
+          f"value_clip must be None or > 0, got {self.value_clip}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -231,6 +379,29 @@ class RunConfig:
   coordinator: Optional[str] = _field(None, "host:port of process 0 (implies --distributed)")
   num_processes: Optional[int] = _field(None, "processes in the run")
   process_id: Optional[int] = _field(None, "this process's index")
+
+  def validate(self) -> None:
+    """ValueError naming the first bad field of this section: the output folder can be made,
+    the mesh string parses (whether its devices exist is checked at setup), the processes."""
+    # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
+    from salt_jax import multihost
+    from salt_jax.metrics import TRACKERS
+    from salt_jax.sharding import parse_mesh_shape
+    _one_of(self, "tracker", (None, *TRACKERS))
+    for name in ("iters", "checkpoint_every", "max_to_keep"):
+      _pos_int(self, name)
+    _pos_int(self, "seed", 0)
+    check_output_folder(self.out)
+    parse_mesh_shape(self.mesh)
+    if self.coordinator is not None or self.num_processes is not None \
+        or self.process_id is not None:
+      _need(self.distributed, "coordinator / num_processes / process_id need distributed=True")
+    multihost.check_coordinator(self.coordinator)
+    if self.num_processes is not None:
+      _pos_int(self, "num_processes")
+      _need(self.process_id is None or (isinstance(self.process_id, int)
+                                        and 0 <= self.process_id < self.num_processes),
+            f"process_id must be in [0, {self.num_processes}), got {self.process_id!r}")
 
 
 def check_output_folder(out: str, name: str = "out") -> None:
@@ -267,152 +438,28 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
   """Everything one run needs (the fields of all six sections); `validate()` checks it."""
 
   def validate(self) -> None:
-    """Raises ValueError naming the first bad field (called before any work): each value, their
-    combinations, and what they name: the --model's config.json (or .gguf) and the tiny
-    policy's shape (`salt_jax.models.config`), the output folder, and the environment's
-    arguments, splits and task ids (`envs.registry.check_env_config`)."""
+    """Raises ValueError naming the first bad field (called before any work): each section's own
+    fields (`EnvConfig.validate`, ... `RunConfig.validate`, in that order), then what sections
+    ask of each other."""
     # pylint: disable=import-outside-toplevel  (these import jax; building a config does not)
-    from envs import registry
-    from salt_jax import multihost
-    from salt_jax.advantages import ESTIMATORS, GIGPO_MODES
-    from salt_jax.engines import ROLLOUT_ENGINES, check_vllm_engine
-    from salt_jax.loss import KL_ESTIMATORS, LOSS_AGG_MODES
-    from salt_jax.metrics import TRACKERS
-    from salt_jax.models.config import (ATTENTION_IMPLS, REMAT_POLICIES, read_model_config,
-                                        tiny_policy_config)
-    from salt_jax.rewards import GAE_SCOPES, GROUP_STATS, PENALTY_SCOPES
-    from salt_jax.rollout import INVALID_STEP_MODES
-    from salt_jax.sharding import parse_mesh_shape
-
-    def need(ok, msg):
-      if not ok:
-        raise ValueError(msg)
-
-    def pos_int(name, lo=1):
-      v = getattr(self, name)
-      need(isinstance(v, int) and not isinstance(v, bool) and v >= lo,
-           f"{name} must be an int >= {lo}, got {v!r}")
-
-    def one_of(name, choices):
-      need(getattr(self, name) in choices,
-           f"unknown {name} {getattr(self, name)!r}; expected one of {tuple(choices)}")
-
-    one_of("env", registry.names())
-    one_of("algo", ESTIMATORS)
-    one_of("schedule", SCHEDULES)
-    one_of("layout", LAYOUTS)
-    one_of("kl_estimator", KL_ESTIMATORS)
-    one_of("loss_agg", LOSS_AGG_MODES)
-    one_of("param_dtype", PARAM_DTYPES)
-    if self.compute_dtype is not None:
-      one_of("compute_dtype", PARAM_DTYPES)
-    one_of("attention_impl", (None, *ATTENTION_IMPLS))
-    one_of("remat_policy", REMAT_POLICIES)
-    one_of("invalid_step", INVALID_STEP_MODES)
-    one_of("penalty_scope", PENALTY_SCOPES)
-    one_of("group_stats", GROUP_STATS)
-    one_of("tracker", (None, *TRACKERS))
-    one_of("rollout_engine", ROLLOUT_ENGINES)
-    for name in ("group_size", "tasks_per_iter", "max_steps", "max_new_tokens", "salt_history",
-                 "iters", "ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk",
-                 "checkpoint_every", "max_to_keep", "num_eval_tasks", "prompt_bucket_min",
-                 "prompt_buckets_per_doubling"):
-      pos_int(name)
-    for name in ("env_workers", "eval_every", "warmup_steps", "top_k", "seed", "microbatch_rows",
-                 "logprob_microbatch_rows"):
-      pos_int(name, 0)
-    critic = ESTIMATORS[self.algo].critic
-    need(self.group_size >= 2 or critic,
-         f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
-         "own group, so every advantage is 0 and nothing is learned; use group_size >= 2 (or "
-         "algo ppo, whose baseline is a critic)")
-    need(0 <= self.gae_lambda <= 1, f"gae_lambda must be in [0, 1], got {self.gae_lambda}")
-    one_of("gae_scope", GAE_SCOPES)
-    need(math.isfinite(self.critic_lr) and self.critic_lr > 0,
-         f"critic_lr must be > 0, got {self.critic_lr}")
-    need(self.value_clip is None or (math.isfinite(self.value_clip) and self.value_clip > 0),
-         f"value_clip must be None or > 0, got {self.value_clip}")
-    pos_int("critic_warmup", 0)
-    need(self.microbatch_rows == 0 or self.minibatch_rows % self.microbatch_rows == 0,
-         f"microbatch_rows ({self.microbatch_rows}) must divide minibatch_rows "
-         f"({self.minibatch_rows})")
-    need(self.logprob_microbatch_rows == 0
-         or self.minibatch_rows % self.logprob_microbatch_rows == 0,
-         f"logprob_microbatch_rows ({self.logprob_microbatch_rows}) must divide minibatch_rows "
-         f"({self.minibatch_rows})")
-    need(self.max_cache_len > self.max_new_tokens + 16,
-         f"max_cache_len ({self.max_cache_len}) must exceed max_new_tokens "
-         f"({self.max_new_tokens}) + 16 to leave room for a prompt")
-    need(math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
-    need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-         f"weight_decay must be >= 0, got {self.weight_decay}")
-    need(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-    need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
-    need(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
-    need(self.clip_eps_high is None or self.clip_eps_high > 0,
-         f"clip_eps_high must be None or > 0, got {self.clip_eps_high}")
-    need(self.dual_clip is None or self.dual_clip > 1,
-         f"dual_clip must be None or > 1 (verl uses 3.0), got {self.dual_clip}")
-    need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-    need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-    need(self.invalid_action_penalty >= 0, "invalid_action_penalty must be >= 0")
-    need(math.isfinite(self.reward_scale) and self.reward_scale > 0,
-         f"reward_scale must be > 0, got {self.reward_scale}")
-    need(0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}")
-    one_of("gigpo_mode", GIGPO_MODES)
-    need(math.isfinite(self.step_advantage_w) and self.step_advantage_w >= 0,
-         f"step_advantage_w must be >= 0, got {self.step_advantage_w}")
-    need(0 < self.anchor_similarity <= 1,
-         f"anchor_similarity must be in (0, 1], got {self.anchor_similarity}")
-    need(self.embedder in (None, "none", "minilm") or os.path.isdir(self.embedder),
-         f"embedder must be None, 'minilm' or a local sentence-transformers folder, got "
-         f"{self.embedder!r}")
-    need(0 < self.embed_threshold <= 1, f"embed_threshold must be in (0, 1], got "
-         f"{self.embed_threshold}")
-    need(self.train_task_ids is None or (
-        len(self.train_task_ids) > 0 and all(isinstance(i, str) and i for i in self.train_task_ids)),
-         f"train_task_ids must be None or non-empty task id strings, got {self.train_task_ids!r}")
-    need(self.prompt_history is None or self.prompt_history >= 0,
-         f"prompt_history must be None or >= 0, got {self.prompt_history}")
-    need(not (self.layout == "trajectory" and self.prompt_history is not None),
-         "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
-         "use layout='step' with a prompt_history")
-    policy_shape = tiny_policy_config(self.tiny_policy)  # its fields, without a tokenizer
-    if self.model is not None:
-      # the folder's config.json (or the .gguf's) names the shape
-      policy_shape = read_model_config(self.model)
-    pos_int("lora_rank", 0)
-    if self.lora_rank:
-      from salt_jax.models.lora import check_targets
-      need(self.lora_alpha is None or (isinstance(self.lora_alpha, (int, float))
-                                       and math.isfinite(self.lora_alpha) and self.lora_alpha > 0),
-           f"lora_alpha must be None or > 0, got {self.lora_alpha!r}")
-      check_targets(self.lora_targets, policy_shape.num_layers)
-      need(self.rollout_engine == "builtin", "--lora-rank with --rollout-engine vllm is not "
-           "supported yet: the engine would need the merged weights after every update")
+    from salt_jax.advantages import ESTIMATORS
+    from salt_jax.engines import check_vllm_engine
+    for section in SECTIONS:
+      section.validate(self)
+    _need(self.group_size >= 2 or ESTIMATORS[self.algo].critic,
+          f"group_size {self.group_size} gives {self.algo} no baseline: each trajectory is its "
+          "own group, so every advantage is 0 and nothing is learned; use group_size >= 2 (or "
+          "algo ppo, whose baseline is a critic)")
+    _need(not (self.layout == "trajectory" and self.prompt_history is not None),
+          "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
+          "use layout='step' with a prompt_history")
     if self.rollout_engine == "vllm":
-      need(math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0,
-           f"vllm_kv_cache_gib must be > 0, got {self.vllm_kv_cache_gib}")
-      need(not self.distributed, "--rollout-engine vllm runs in one process: it does not "
-           "support --distributed")
-      check_vllm_engine(policy_shape)  # installed, and a head size its CPU attention runs
-    check_output_folder(self.out)
-    registry.check_env_config(self)  # env_kwargs, splits and task ids, against the env's own
-    need(self.init_params is None or os.path.isdir(self.init_params),
-         f"init_params {self.init_params!r} is not a folder")
-    need(self.model is not None or self.tokenizer in ("qwen25", "toy")
-         or os.path.isdir(self.tokenizer),
-         f"tokenizer must be 'qwen25', 'toy' or a local folder, got {self.tokenizer!r}")
-    parse_mesh_shape(self.mesh)  # the string; whether the devices exist is checked at setup
-    if self.coordinator is not None or self.num_processes is not None \
-        or self.process_id is not None:
-      need(self.distributed, "coordinator / num_processes / process_id need distributed=True")
-    multihost.check_coordinator(self.coordinator)
-    if self.num_processes is not None:
-      pos_int("num_processes")
-      need(self.process_id is None or (isinstance(self.process_id, int)
-                                       and 0 <= self.process_id < self.num_processes),
-           f"process_id must be in [0, {self.num_processes}), got {self.process_id!r}")
+      _need(not self.lora_rank, "--lora-rank with --rollout-engine vllm is not supported yet: "
+            "the engine would need the merged weights after every update")
+      _need(not self.distributed, "--rollout-engine vllm runs in one process: it does not "
+            "support --distributed")
+      check_vllm_engine(self.policy_shape())  # installed, and a head size its CPU attention runs
+
 
   def to_json(self) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))

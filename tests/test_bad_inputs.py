@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from envs import registry
-from salt_jax.config import TrainConfig, check_output_folder
+from salt_jax.config import (SECTIONS, AlgorithmConfig, EnvConfig, PolicyConfig, RolloutConfig,
+                             RunConfig, TrainConfig, UpdateConfig, check_output_folder)
 from salt_jax.models.config import ModelConfig, read_model_config, tiny_policy_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,6 +161,47 @@ def test_env_config_accepts_what_runs():
 def test_update_number_refusals(change, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(TrainConfig(env="toy", tokenizer="toy"), **change).validate()
+
+
+@pytest.mark.parametrize("section, change, match", [
+    (EnvConfig, dict(env="nope"), "unknown env 'nope'"),
+    (EnvConfig, dict(env="toy", max_steps=0), "max_steps must be an int >= 1"),
+    (PolicyConfig, dict(param_dtype="float16"), "unknown param_dtype"),
+    (PolicyConfig, dict(tokenizer="toy", lora_rank=2, lora_alpha=-1.0),
+     "lora_alpha must be None or > 0"),
+    (RolloutConfig, dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (RolloutConfig, dict(max_new_tokens=512, max_cache_len=520), "max_cache_len"),
+    (AlgorithmConfig, dict(algo="nope"), "unknown algo 'nope'"),
+    (AlgorithmConfig, dict(gae_lambda=1.5), r"gae_lambda must be in \[0, 1\]"),
+    (UpdateConfig, dict(minibatch_rows=8, microbatch_rows=3),
+     r"microbatch_rows \(3\) must divide minibatch_rows \(8\)"),
+    (UpdateConfig, dict(critic_lr=float("nan")), "critic_lr must be > 0"),
+    (RunConfig, dict(iters=0), "iters must be an int >= 1"),
+    (RunConfig, dict(num_processes=2), "need distributed=True"),
+])
+def test_each_config_section_validates_its_own_fields(section, change, match):
+  """A section checks its fields on its own, and the whole config checks every section."""
+  base = {EnvConfig: {"env": "toy"}, PolicyConfig: {"tokenizer": "toy"}}.get(section, {})
+  section(**base).validate()
+  with pytest.raises(ValueError, match=match):
+    section(**{**base, **change}).validate()
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(TrainConfig(env="toy", tokenizer="toy"), **change).validate()
+
+
+def test_config_checks_what_sections_ask_of_each_other():
+  """What no one section can check alone: a group of one without a critic, a trajectory layout
+  with windowed prompts; each section's own fields are fine."""
+  for change, match in ((dict(group_size=1), "group_size 1 gives grpo no baseline"),
+                        (dict(layout="trajectory", prompt_history=2),
+                         "layout 'trajectory' .* needs whole-history prompts")):
+    cfg = dataclasses.replace(TrainConfig(env="toy", tokenizer="toy"), **change)
+    for section in SECTIONS:
+      section.validate(cfg)
+    with pytest.raises(ValueError, match=match):
+      cfg.validate()
+  dataclasses.replace(TrainConfig(env="toy", tokenizer="toy"), group_size=1,
+                      algo="ppo").validate()
 
 
 def test_tiny_policy_fields_and_values():
