@@ -359,10 +359,15 @@ FOUR_METHODS = {
 }
 TOY_FOUR_METHODS = FOUR_METHODS["toy"][0]
 # The baselines beside GRPO (issue #42): GRPO, GiGPO and PPO with a critic, each with and without
-# SALT, in the fast learning test's setting (a clone per seed; docs/study/<folder>/*.jsonl, one
-# file per command).
-BASELINES = ("toy-baselines", "GRPO, GiGPO and PPO with a critic on the toy tasks (the fast "
-             "test's setting)", "toy_baselines.png")
+# SALT (docs/study/<folder>/*.jsonl, one file per command): {env: (folder, title, figure)}. The
+# toy tasks in the fast learning test's setting (a clone per seed); TextWorld in its four
+# methods' setting (one warm start), whose GRPO runs may come from there (`baseline_runs`).
+BASELINES = {
+    "toy": ("toy-baselines", "GRPO, GiGPO and PPO with a critic on the toy tasks (the fast "
+            "test's setting)", "toy_baselines.png"),
+    "textworld": ("textworld-baselines", "GRPO, GiGPO and PPO with a critic on TextWorld (the "
+                  "four methods' setting)", "textworld_baselines.png"),
+}
 
 
 def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
@@ -840,11 +845,19 @@ def four_methods_runs(out: str, env: str) -> list[dict]:
   return read_jsonl(path) if os.path.exists(path) else []
 
 
-def baseline_runs(out: str) -> list[dict]:
-  """The runs of every JSON-lines file in `out`/BASELINES' folder; []."""
+def baseline_runs(out: str, env: str = "toy") -> list[dict]:
+  """The runs of every JSON-lines file in `out`/BASELINES[env]'s folder; []. Where the folder
+  holds no GRPO run, `env`'s four methods' GRPO runs (GRPO+SALT too) join them when they
+  started from the same warm start: the same measurement before RL (a clone cloned again on
+  another CPU's rounding differs, and then GRPO must be run beside)."""
   from salt_jax.metrics import read_jsonl  # pylint: disable=import-outside-toplevel  (jax)
-  return [r for f in sorted(glob.glob(os.path.join(out, BASELINES[0], "*.jsonl")))
+  runs = [r for f in sorted(glob.glob(os.path.join(out, BASELINES[env][0], "*.jsonl")))
           for r in read_jsonl(f)]
+  if runs and not any(r["algo"] == "grpo" for r in runs) and env in FOUR_METHODS:
+    starts = {json.dumps(r["before"], sort_keys=True) for r in runs}
+    runs += [r for r in four_methods_runs(out, env) if r["algo"] == "grpo"
+             and json.dumps(r["before"], sort_keys=True) in starts]
+  return runs
 
 
 def sweep_sets(out: str, env: str) -> dict[str, list[dict]]:
@@ -927,13 +940,14 @@ def report(out: str) -> str:
            f"uses{held}).", "", four_methods_tables(runs), ""]
     md += [f"![{env} four methods]({os.path.relpath(f, docs)})"
            for f in four_methods_figure(runs, docs, figure)] + [""]
-  folder, title, figure = BASELINES
-  runs = baseline_runs(out)
-  if runs:
+  for env, (folder, title, figure) in BASELINES.items():
+    runs = baseline_runs(out, env)
+    if not runs:
+      continue
     md += [f"## {title} ({folder}; `experiments/learning_check.py`)", "",
            "Sampled success on the training tasks (fixed keys neither training nor cloning "
            "uses).", "", four_methods_tables(runs), ""]
-    md += [f"![baselines]({os.path.relpath(f, docs)})"
+    md += [f"![{env} baselines]({os.path.relpath(f, docs)})"
            for f in four_methods_figure(runs, docs, figure)] + [""]
   by_env = {env: measured for env in FOUR_METHODS if (measured := [
       r for r in four_methods_runs(out, env) if _measured_after(r, COMPARE_ITERS)])}

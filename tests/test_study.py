@@ -536,14 +536,46 @@ def test_report_adds_the_baselines_from_their_folder(tmp_path):
   """Runs of GRPO, GiGPO and PPO (+SALT) in BASELINES' folder, one file per command: the report
   adds their tables, with each method against GRPO."""
   out = tmp_path / "docs" / "study"
-  folder = out / study_report.BASELINES[0]
+  folder = out / study_report.BASELINES["toy"][0]
   folder.mkdir(parents=True)
   for algo in ("grpo", "gigpo", "ppo"):
     runs = [_check_run(algo, salt, s, 0.3, 0.4, 0.5 + 0.01 * s) for s in (1, 2)
             for salt in (False, True)]
     (folder / f"{algo}.jsonl").write_text("\n".join(json.dumps(r) for r in runs) + "\n")
   assert len(study_report.baseline_runs(str(out))) == 12
+  assert study_report.baseline_runs(str(out), "textworld") == []
   md = study_report.report(str(out))
   assert "GRPO, GiGPO and PPO with a critic on the toy tasks" in md
   assert "| GIGPO+SALT - GIGPO |" in md and "| PPO - GRPO |" in md
-  assert os.path.getsize(tmp_path / "docs" / study_report.BASELINES[2]) > 0
+  assert os.path.getsize(tmp_path / "docs" / study_report.BASELINES["toy"][2]) > 0
+  assert "on TextWorld (the four methods' setting)" not in md
+
+
+def test_baselines_borrow_grpo_runs_of_the_same_warm_start(tmp_path):
+  """Without GRPO runs of their own, TextWorld's baselines are paired with the four methods'
+  GRPO runs that started where they did (the same measurement before RL), and with none where
+  the warm start differs (cloned again on another CPU)."""
+  out = tmp_path / "docs" / "study"
+  four = out / study_report.FOUR_METHODS["textworld"][0]
+  four.mkdir(parents=True)
+  grpo = [_check_run(algo, salt, s, 0.68, 0.9, 0.94 + 0.01 * s) for s in (0, 1)
+          for algo in ("grpo", "rloo") for salt in (False, True)]
+  (four / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in grpo) + "\n")
+  folder = out / study_report.BASELINES["textworld"][0]
+  folder.mkdir(parents=True)
+  gigpo = [_check_run("gigpo", salt, s, 0.68, 0.9, 0.95) for s in (0, 1) for salt in (False, True)]
+  (folder / "gigpo.jsonl").write_text("\n".join(json.dumps(r) for r in gigpo) + "\n")
+  runs = study_report.baseline_runs(str(out), "textworld")
+  assert sorted((r["algo"], r["salt"]) for r in runs) == sorted(
+      [("gigpo", False), ("gigpo", True), ("grpo", False), ("grpo", True)] * 2)
+  assert study_report.grpo_effects(runs, 4)["GIGPO"] == [(0, pytest.approx(0.01)),
+                                                         (1, pytest.approx(0.0))]
+  md = study_report.report(str(out))
+  assert "on TextWorld (the four methods' setting)" in md and "| GIGPO - GRPO |" in md
+  # Another warm start (its measurement before RL differs): no GRPO run to pair with.
+  other = [dict(r, before=dict(r["before"], all=0.64)) for r in gigpo]
+  (folder / "gigpo.jsonl").write_text("\n".join(json.dumps(r) for r in other) + "\n")
+  assert {r["algo"] for r in study_report.baseline_runs(str(out), "textworld")} == {"gigpo"}
+  # GRPO run beside them in the folder: those are used, the four methods' are not.
+  (folder / "grpo.jsonl").write_text(json.dumps(dict(grpo[0], before=other[0]["before"])) + "\n")
+  assert len(study_report.baseline_runs(str(out), "textworld")) == 5
