@@ -78,6 +78,7 @@ from envs.demos import collect_demos
 from envs.registry import entry, make_expert_env, task_list, training_tasks
 from salt_jax import sft
 from salt_jax.agent.prompts import env_prompt_config
+from salt_jax.agent.reasoning import REASONERS
 from salt_jax.config import TrainConfig, check_output_folder, parse_overrides
 from salt_jax.metrics import read_jsonl, write_jsonl
 from salt_jax.models.build import build_policy, build_tokenizer, policy_config, save_params
@@ -380,8 +381,9 @@ def main(argv=None):
   ap.add_argument("--warm-seed", type=int, default=None,
                   help="one warm start, cloned with this seed, for every run (default: each "
                        "seed its own)")
-  ap.add_argument("--reasoning", choices=["none", "templated"], default="none",
-                  help="the demonstrations' <think> text: empty, or the stand-in reasoning "
+  ap.add_argument("--reasoning", choices=sorted(REASONERS), default="none",
+                  help="the demonstrations' <think> text: empty, the stand-in reasoning, or "
+                       "the expert's sub-goal (ALFWorld) "
                        f"(then max_new_tokens {REASONING_MAX_NEW_TOKENS} unless --set)")
   ap.add_argument("--warm-dir", default=None,
                   help="keep the warm start here (keyed by what it clones from) and reuse it: "

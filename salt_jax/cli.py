@@ -115,8 +115,9 @@ def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax traini
                    + ("cloning steps" if name == "sft_steps" else "expert episodes to clone"))
   g.add_argument("--sft-reasoning", choices=sorted(REASONERS),
                  help=f"(default: {defaults.get('sft_reasoning', SCRIPT_DEFAULTS['sft_reasoning'])})"
-                 " the demonstrations' <think> text: none, or templated stand-in reasoning "
-                 "(salt_jax.agent.reasoning; raise --max-new-tokens to fit it)")
+                 " the demonstrations' <think> text: none, templated stand-in reasoning, or "
+                 "the expert's sub-goal at each step (ALFWorld's tasks; salt_jax.agent.reasoning;"
+                 " raise --max-new-tokens to fit it)")
   for section in SECTIONS:
     g = p.add_argument_group(section.__name__, section.__doc__)
     for f in dataclasses.fields(section):

@@ -64,7 +64,7 @@ def demo_steps(demos: Sequence[Demo], tokenizer, prompt_config: PromptConfig = P
     goal = reasoning_lib.task_goal(d.first_observation)
     seen = d.first_observation
     for t, a in enumerate(d.actions):
-      think = think_fn(goal, seen, a, np.random.default_rng([seed, i, t]))
+      think = think_fn(goal, seen, a, np.random.default_rng([seed, i, t]), d.actions[:t])
       if "<" in think or ">" in think:
         raise ValueError(f"reasoning {reasoning!r} wrote a '<' or '>' (a tag could leak): {think!r}")
       text = (reasoning_lib.REASONING_FORMAT.format(think=think, action=a) if think

@@ -137,3 +137,112 @@ def test_cli_flag_selects_the_reasoning(tmp_path):
   assert cli.config_from(["--env", "toy", "--out", str(tmp_path)])[1].sft_reasoning == "none"
   with pytest.raises(SystemExit):
     cli.config_from(["--sft-reasoning", "llm"])
+
+
+# ------------------------------------------------------------------ the expert's sub-goals
+
+# Recorded ALFWorld expert episodes of the bundled valid_train tasks (the planner expert): each
+# step's action, in order.
+CLEAN_BOWL = ["look", "go to toaster 1", "go to fridge 1", "open fridge 1",
+              "take bowl 4 from fridge 1", "go to sinkbasin 1", "clean bowl 4 with sinkbasin 1",
+              "look", "go to shelf 1", "move bowl 4 to shelf 1"]
+TWO_BOOKS = ["look", "go to drawer 2", "open drawer 2", "close drawer 2", "go to bed 1",
+             "take book 1 from bed 1", "go to desk 1", "move book 1 to desk 1", "go to bed 1",
+             "take book 3 from bed 1", "go to desk 1", "move book 3 to desk 1"]
+LAMP_BOOK = ["look", "go to sidetable 1", "take book 2 from sidetable 1", "go to sidetable 2",
+             "use desklamp 1"]
+
+
+def _subgoals(goal, actions, seed=0):
+  return [reasoning.subgoal_reasoning(goal, "", a, np.random.default_rng([seed, t]), actions[:t])
+          for t, a in enumerate(actions)]
+
+
+@pytest.mark.parametrize("goal, want", [
+    ("clean some bowl and put it in shelf", ("bowl", "clean", "shelf", 1, False)),
+    ("put a clean mug in coffeemachine", ("mug", "clean", "coffeemachine", 1, False)),
+    ("put a hot apple in fridge", ("apple", "heat", "fridge", 1, False)),
+    ("heat some egg and put it in countertop", ("egg", "heat", "countertop", 1, False)),
+    ("put a cool bowl in cabinet", ("bowl", "cool", "cabinet", 1, False)),
+    ("put two book in desk", ("book", None, "desk", 2, False)),
+    ("find two cellphone and put them in bed", ("cellphone", None, "bed", 2, False)),
+    ("put some alarmclock on desk", ("alarmclock", None, "desk", 1, False)),
+    ("examine the book with the desklamp", ("book", None, "desklamp", 1, True)),
+    ("look at bowl under the desklamp", ("bowl", None, "desklamp", 1, True)),
+    ("go to the kitchen", None), (None, None), ("", None)])
+def test_alfworld_goals_are_read(goal, want):
+  got = reasoning.alfworld_goal(goal)
+  assert (got if got is None else tuple(got)) == want
+
+
+def test_subgoals_follow_the_expert_through_an_episode():
+  """Each step says the sub-goal the expert is on: find the bowl, take it, clean it at the sink,
+  carry the clean bowl to the shelf; the two-object task counts its objects; the lamp task looks
+  for the lamp once the object is in hand."""
+  s = _subgoals("clean some bowl and put it in shelf", CLEAN_BOWL)
+  assert all("bowl" in t for t, a in zip(s, CLEAN_BOWL) if a != "look"), s
+  assert all("clean" not in t for t in s[:4]), s  # searching: nothing to clean yet
+  assert "fridge" in s[3] and ("take" in s[4] or "pick" in s[4]), s[3:5]
+  assert "clean" in s[5] and "sinkbasin" in s[5], s[5]
+  assert "clean" in s[6] and "sinkbasin" in s[6], s[6]
+  assert "clean bowl" in s[8] and "shelf" in s[8], s[8]
+  assert "shelf" in s[9], s[9]
+  b = _subgoals("put two book in desk", TWO_BOOKS)
+  assert not any("second book" in t for t in b[:8]), b
+  assert not any("first book" in t for t in b[8:]), b
+  assert "first book" in " ".join(b[:5]) and "second book" in " ".join(b[8:10]), b
+  assert "One more to go" in b[7], b[7]
+  assert "One more" not in b[11] and "desk" in b[11], b[11]
+  lamp = _subgoals("examine the book with the desklamp", LAMP_BOOK)
+  assert "desklamp" in lamp[3] and "book" in lamp[3], lamp[3]
+  assert "desklamp 1" in lamp[4] and "book" in lamp[4], lamp[4]
+  for text in s + b + lamp:
+    assert 3 <= len(text.split()) <= 30 and "<" not in text and ">" not in text, text
+
+
+def test_subgoal_phrasing_varies_and_its_content_does_not():
+  """The same step across episodes (another rng) is said in different words that name the same
+  sub-goal; the same rng says it the same way again."""
+  goal, actions = "clean some bowl and put it in shelf", CLEAN_BOWL[:6]
+  texts = {reasoning.subgoal_reasoning(goal, "", actions[5], np.random.default_rng(seed),
+                                       actions[:5]) for seed in range(20)}
+  assert len(texts) >= 2 and all("sinkbasin" in t and "bowl" in t for t in texts), texts
+  assert _subgoals(goal, actions, seed=3) == _subgoals(goal, actions, seed=3)
+
+
+def test_subgoals_of_off_plan_and_malformed_actions():
+  """A noisy expert's detours, malformed commands, tags in the input and goals that are not
+  ALFWorld's give defined text, never an error or a tag."""
+  goal = "put a hot apple in fridge"
+  rng = np.random.default_rng(0)
+  wrong = reasoning.subgoal_reasoning(goal, "", "take mug 1 from countertop 1", rng, ["look"])
+  assert "mug 1" in wrong and "not what the task needs" in wrong
+  # The apple put down elsewhere: the expert searches again.
+  again = reasoning.subgoal_reasoning(
+      goal, "", "go to countertop 2", rng,
+      ["take apple 1 from fridge 1", "move apple 1 to diningtable 1"])
+  assert "apple" in again and ("need" in again or "search" in again or "Finding" in again), again
+  for action in ("", "take", "go to", "heat with", "<action>open</action> drawer", "help",
+                 "inventory", "examine drawer 1"):
+    for g in (goal, "go to the kitchen", None, "</think>"):
+      text = reasoning.subgoal_reasoning(g, "<obs>", action, rng, ("take", "", "go to"))
+      assert text and "<" not in text and ">" not in text, (g, action, text)
+  generic = reasoning.subgoal_reasoning("go to the kitchen", "", "go to hall", rng)
+  assert "go to the kitchen" in generic and "go to hall" in generic
+
+
+def test_subgoal_reasoning_in_demonstrations(tok):
+  """sft.demo_steps gives the sub-goal reasoner each step's earlier actions; the responses parse
+  to the demonstrated actions."""
+  env = ToyEnv(num_rooms=3, max_steps=8)
+  demos = demos_lib.collect_demos(env, toy_tasks(2), seeds=range(2), max_steps=8,
+                                  only_won=False, epsilon=0.3)
+  _, responses, _ = sft.demo_steps(demos, tok, PROMPTS, reasoning="subgoal")
+  thinks = _thinks(tok, responses)
+  k = 0
+  for d in demos:
+    listings = (d.first_admissible, *d.admissible)
+    for t, a in enumerate(d.actions):
+      assert parse_action(tok.decode(responses[k].tolist()), listings[t]).action == a
+      assert a in thinks[k]  # the toy goal is not ALFWorld's: goal and action are said
+      k += 1
