@@ -272,3 +272,27 @@ def test_gigpo_trains_end_to_end(tmp_path, salt):
   assert rows[-1]["anchored_steps"] == shared
   if not salt:
     np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("env, algo", [("webshop", "gigpo"), ("webshop", "ppo"),
+                                       ("alfworld", "gigpo"), ("alfworld", "ppo")])
+def test_gigpo_and_ppo_train_on_webshop_and_alfworld(tmp_path, env, algo):
+  """GiGPO's anchors and PPO's critic on the real environments' observations (WebShop's pages
+  through its view, ALFWorld's bundled tasks), with SALT on top: an iteration that updates."""
+  import math  # pylint: disable=import-outside-toplevel
+  from salt_jax.train import Trainer  # pylint: disable=import-outside-toplevel
+  cfg = TrainConfig(env=env, tokenizer="toy", group_size=2, tasks_per_iter=1,
+                    num_train_tasks=2, max_steps=2, max_new_tokens=16, max_cache_len=1024,
+                    env_workers=0, iters=1, minibatch_rows=4, progress=False, tensorboard=False,
+                    out=str(tmp_path / "run"), algo=algo, layout="step", prompt_history=2,
+                    gamma=0.95 if algo == "gigpo" else 1.0, salt=True, critic_lr=1e-3,
+                    invalid_action_penalty=0.1)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    row = tr.iteration()
+  assert row["iteration"] == 0 and row["num_steps"] >= 2
+  assert row["skipped_updates"] == 0
+  if algo == "gigpo":
+    assert 0 <= row["anchored_steps"] <= row["num_steps"]
+  else:  # the critic stepped on every mini-batch, whether or not the policy had a signal
+    assert row["critic_skipped_updates"] == 0 and math.isfinite(row["value_loss"])
