@@ -4,7 +4,7 @@ Host side (numpy, no accelerator): `build_merge_ids`, `cross_prompt_merges`,
 `gradient_changing_merges`.
 Device side (pure, jittable, shardable along `data`): `grpo_advantages`, `rloo_advantages`,
 `gigpo_advantages`, `gae_advantages`, `masked_whiten`, `refine`, `token_advantages`,
-`policy_loss`, `value_loss`, `microbatched_value_and_grad`.
+`policy_loss`, `rollout_is_weights`, `value_loss`, `microbatched_value_and_grad`.
 
 The names are imported on first use (`salt_jax.refine` imports `salt_jax.salt`), so that
 `import salt_jax.config` or the command line (`salt_jax.cli`) does not import jax.
@@ -33,6 +33,7 @@ _EXPORTS = {
     "aggregate_weight": "salt_jax.loss",
     "kl_estimate": "salt_jax.loss",
     "policy_loss": "salt_jax.loss",
+    "rollout_is_weights": "salt_jax.loss",
     "ValueLossMetrics": "salt_jax.loss",
     "value_loss": "salt_jax.loss",
     "refine": "salt_jax.salt",

@@ -282,6 +282,11 @@ class UpdateConfig:
                        "per step)")
   recompute_old_logprobs: bool = _field(False, "old log-probs under the current params instead "
                                         "of the sampler's")
+  rollout_is_threshold: Optional[float] = _field(
+      None, "truncated importance sampling (TIS, verl's token-level rollout IS): weight each "
+      "token's surrogate by min(pi_old / pi_sampler, T), the trainer's old log-prob against the "
+      "sampler's; needs the trainer's own old log-probs (recompute_old_logprobs, or a rollout "
+      "engine). None: off")
   lr: float = _field(1e-6, "peak learning rate (AdamW)")
   weight_decay: float = _field(0.01, "AdamW weight decay")
   warmup_steps: int = _field(0, "linear warmup, in optimizer steps")
@@ -349,6 +354,8 @@ class UpdateConfig:
     _need(self.dual_clip is None or self.dual_clip > 1,
           f"dual_clip must be None or > 1 (verl uses 3.0), got {self.dual_clip}")
     _positive(self, "critic_lr")
+    if self.rollout_is_threshold is not None:
+      _positive(self, "rollout_is_threshold")
     _need(self.value_clip is None or (math.isfinite(self.value_clip) and self.value_clip > 0),
           f"value_clip must be None or > 0, got {self.value_clip}")
 
@@ -453,6 +460,10 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
     _need(not (self.layout == "trajectory" and self.prompt_history is not None),
           "layout 'trajectory' (one sequence per trajectory) needs whole-history prompts; "
           "use layout='step' with a prompt_history")
+    _need(self.rollout_is_threshold is None or self.recompute_old_logprobs
+          or self.rollout_engine != "builtin",
+          "rollout_is_threshold weighs the trainer's old log-probs against the sampler's: set "
+          "recompute_old_logprobs (or a rollout engine), or the weights are all 1")
     if self.rollout_engine == "vllm":
       _need(not self.lora_rank, "--lora-rank with --rollout-engine vllm is not supported yet: "
             "the engine would need the merged weights after every update")

@@ -8,6 +8,7 @@ loss: they pass through `stop_gradient`.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -104,15 +105,40 @@ def aggregate_weight(mask, mode: str = "token-mean"):
   return jnp.sum(jnp.any(m, axis=-1), dtype=jnp.float32)
 
 
+def rollout_is_weights(old_logp, rollout_logp, mask, threshold: float):
+  """Truncated importance sampling weights (TIS; verl's rollout IS at token level, mode
+  "truncate"): min(pi_old / pi_rollout, threshold) per token, where pi_old is the trainer's own
+  log-prob of the sampled token and pi_rollout the sampler's (another engine or precision).
+  They correct the policy gradient for the sampler's mismatch; 0 off the mask.
+
+  Args:
+    old_logp, rollout_logp: f32[B, L] log-probs of the sampled tokens under the trainer's and the
+      sampler's policy.
+    mask: bool or 0/1 [B, L].
+    threshold: the truncation (> 0; verl recommends 1.5 to 5 at token level).
+  Returns:
+    f32[B, L] weights (constants: no gradient flows through them).
+  """
+  if not (threshold > 0 and math.isfinite(threshold)):
+    raise ValueError(f"threshold must be > 0, got {threshold}")
+  _checks.check_rank("old_logp", old_logp, 2)
+  _checks.check_same_shape("old_logp", old_logp, "rollout_logp", rollout_logp)
+  m = _checks.as_mask("mask", mask, old_logp)
+  log_ratio = jnp.where(m, jnp.asarray(old_logp) - jnp.asarray(rollout_logp), 0.0)
+  log_ratio = jnp.clip(jnp.nan_to_num(log_ratio, nan=0.0), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  return jax.lax.stop_gradient(jnp.where(m, jnp.minimum(jnp.exp(log_ratio), threshold), 0.0))
+
+
 def policy_loss(logp, old_logp, advantages, mask, *, clip_eps=0.2, clip_eps_high=None,
                 dual_clip=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
-                loss_agg="token-mean"):
+                loss_agg="token-mean", is_weights=None):
   """PPO clipped surrogate loss (Schulman et al., 2017) with an optional KL penalty.
 
     r = exp(logp - old_logp)
     L_clip = -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A)       (clip-higher: DAPO)
     for A < 0 with dual_clip = c: L = min(L_clip, -c A)                  (dual-clip PPO, as verl)
-    loss = agg(L_clip) + kl_coef * agg(KL(pi || pi_ref))
+    with is_weights w: L = w L                                           (rollout IS, as verl)
+    loss = agg(L) + kl_coef * agg(KL(pi || pi_ref))
 
   Args:
     logp: f32[B, L] log-probs of the response tokens under the policy being trained.
@@ -126,6 +152,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_eps=0.2, clip_eps_high
     kl_coef: weight of the KL penalty (GRPO's beta).
     kl_estimator: 'k1', 'k2' or 'k3' (see `kl_estimate`).
     loss_agg: 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum' (see `aggregate`).
+    is_weights: optional f32[B, L] importance weights of the surrogate's tokens
+      (`rollout_is_weights`), constants; the KL term is not weighted.
   Returns:
     (loss scalar, PolicyLossMetrics). Rows with an all-zero mask contribute nothing and never
     produce NaN, in the value or in the gradient.
@@ -154,6 +182,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_eps=0.2, clip_eps_high
     raise ValueError("kl_coef > 0 needs ref_logp")
   if ref_logp is not None:
     _checks.check_same_shape("logp", logp, "ref_logp", ref_logp)
+  if is_weights is not None:
+    _checks.check_same_shape("logp", logp, "is_weights", is_weights)
 
   m = _checks.as_mask("mask", mask, logp)
   # Padding positions may hold -inf or NaN log-probs: replace them before any arithmetic, so that
@@ -175,6 +205,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_eps=0.2, clip_eps_high
   else:
     capped = jnp.zeros_like(clipped)
     loss_tok = loss_ppo
+  if is_weights is not None:
+    loss_tok = loss_tok * jnp.where(m, jax.lax.stop_gradient(is_weights), 0.0)
 
   pg_loss = aggregate(loss_tok, m, loss_agg)
   token_mean = lambda x: aggregate(x.astype(jnp.float32), m, "token-mean")

@@ -673,14 +673,23 @@ class Trainer:
         engine = cfg.rollout_engine != "builtin"
         with times("old_logprob"):
           if train_policy and (cfg.recompute_old_logprobs or engine):
-            diff, count = 0.0, 0
+            diff, count, ratios = 0.0, 0, []
             for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
               mask = mb["loss_mask"].astype(bool)
               diff += float(np.abs(lp - mb["old_logprobs"])[mask].sum())
               count += int(mask.sum())
+              if cfg.rollout_is_threshold is not None:  # the sampler's, for truncated IS
+                mb["rollout_logprobs"] = mb["old_logprobs"]
+                ratios.append(np.exp(np.clip(lp - mb["old_logprobs"], -20, 20))[mask])
               mb["old_logprobs"] = np.where(mask, lp, 0.0).astype(np.float32)
             if engine:  # mean |engine's - trainer's log-prob| over the trained tokens
               m["engine_logprob_abs_diff"] = diff / count if count else float("nan")
+            if ratios:  # pi_old / pi_sampler over the trained tokens, and how many were cut
+              r = np.concatenate(ratios).astype(np.float64)
+              m["rollout_is/mean"] = (float(np.minimum(r, cfg.rollout_is_threshold).mean())
+                                      if r.size else float("nan"))
+              m["rollout_is/truncated_fraction"] = (float(np.mean(r > cfg.rollout_is_threshold))
+                                                    if r.size else float("nan"))
         if cfg.kl_coef > 0 and train_policy:  # no KL term: the reference is not evaluated
           with times("ref_logprob"):
             for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):

@@ -24,7 +24,8 @@ from salt_jax.accumulate import microbatched_rows, microbatched_value_and_grad
 from salt_jax.advantages import ESTIMATORS, EstimatorInputs
 from salt_jax.config import TrainConfig
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
-from salt_jax.loss import PolicyLossMetrics, aggregate, aggregate_weight, policy_loss
+from salt_jax.loss import (PolicyLossMetrics, aggregate, aggregate_weight, policy_loss,
+                           rollout_is_weights)
 from salt_jax.salt import refine, token_advantages
 
 
@@ -150,7 +151,8 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
       `config.logprob_microbatch_rows` rows (default `config.microbatch_rows`; 0: all at once).
     train_step(params, opt_state, mb, step_adv, frozen=None) -> (params, opt_state, metrics): one
       PPO-clip step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl.
-      ref_logprobs, and a critic's per-token `advantages`, which replace `step_adv`),
+      ref_logprobs, and a critic's per-token `advantages`, which replace `step_adv`; with
+      `config.rollout_is_threshold`, the sampler's `rollout_logprobs` weigh each token),
       micro-batched per `config.microbatch_rows`; params and opt_state are donated
       and come back on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite
       loss or gradient leaves both unchanged and sets metrics['skipped'].
@@ -180,11 +182,16 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
     # estimator's are one per step, broadcast to its tokens here.
     adv = mb["advantages"] if "advantages" in mb else token_advantages(step_adv,
                                                                        mb["token_step_ids"])
+    # Truncated IS against the sampler's log-probs, when the old ones are the trainer's own.
+    is_weights = (rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"], mb["loss_mask"],
+                                     config.rollout_is_threshold)
+                  if config.rollout_is_threshold is not None and "rollout_logprobs" in mb
+                  else None)
     loss, m = policy_loss(
         logp, mb["old_logprobs"], adv, mb["loss_mask"], clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high, dual_clip=config.dual_clip,
         ref_logp=mb.get("ref_logprobs"), kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
-        loss_agg=config.loss_agg)
+        loss_agg=config.loss_agg, is_weights=is_weights)
     return loss, (m, aggregate(ent, mb["loss_mask"], "token-mean"))
 
   def loss_weight(mb):

@@ -145,8 +145,10 @@ def refine(adv, ids, mask=None):
   return np.array([sums[i] / counts[i] if m else 0.0 for i, m in zip(ids, mask)], np.float64)
 
 
-def ppo_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip, ref, kl_coef, kl_est, agg_mode):
-  """verl's compute_policy_loss + kl_penalty + agg_loss, element by element."""
+def ppo_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip, ref, kl_coef, kl_est, agg_mode,
+             is_weights=None):
+  """verl's compute_policy_loss + kl_penalty + agg_loss, element by element (with verl's rollout
+  IS weights multiplying each token's surrogate when given)."""
   logp, old, adv, mask = (np.asarray(x, np.float64) for x in (logp, old, adv, mask))
   if adv.ndim == 1:
     adv = np.repeat(adv[:, None], logp.shape[1], axis=1)
@@ -166,6 +168,8 @@ def ppo_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip, ref, kl_coef,
       clipped[b, t] = float(l2 > l1)
       if dual_clip is not None and a < 0:
         l = min(l, -a * dual_clip)
+      if is_weights is not None:
+        l *= float(is_weights[b][t])
       tok[b, t] = l
       if ref is not None:
         d = logp[b, t] - ref[b, t]
@@ -194,6 +198,17 @@ def ppo_loss(logp, old, adv, mask, clip_low, clip_high, dual_clip, ref, kl_coef,
   kl_loss = agg(kl) if ref is not None else 0.0
   n = mask.sum()
   return pg + kl_coef * kl_loss, pg, (clipped * mask).sum() / max(n, 1)
+
+
+def truncated_is_weights(old, rollout, mask, threshold):
+  """verl's token-level rollout IS weights in truncate mode, element by element."""
+  out = np.zeros(np.shape(old))
+  for b in range(out.shape[0]):
+    for t in range(out.shape[1]):
+      if mask[b][t]:
+        x = min(max(float(old[b][t]) - float(rollout[b][t]), -20.0), 20.0)
+        out[b, t] = min(math.exp(x), threshold)
+  return out
 
 
 def gradient_changing_steps(merge_ids, sample_ids, advantages, atol=1e-6):

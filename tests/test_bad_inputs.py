@@ -176,6 +176,7 @@ def test_update_number_refusals(change, match):
     (UpdateConfig, dict(minibatch_rows=8, microbatch_rows=3),
      r"microbatch_rows \(3\) must divide minibatch_rows \(8\)"),
     (UpdateConfig, dict(critic_lr=float("nan")), "critic_lr must be > 0"),
+    (UpdateConfig, dict(rollout_is_threshold=0.0), "rollout_is_threshold must be > 0"),
     (RunConfig, dict(iters=0), "iters must be an int >= 1"),
     (RunConfig, dict(num_processes=2), "need distributed=True"),
 ])
@@ -194,7 +195,8 @@ def test_config_checks_what_sections_ask_of_each_other():
   with windowed prompts; each section's own fields are fine."""
   for change, match in ((dict(group_size=1), "group_size 1 gives grpo no baseline"),
                         (dict(layout="trajectory", prompt_history=2),
-                         "layout 'trajectory' .* needs whole-history prompts")):
+                         "layout 'trajectory' .* needs whole-history prompts"),
+                        (dict(rollout_is_threshold=2.0), "set recompute_old_logprobs")):
     cfg = dataclasses.replace(TrainConfig(env="toy", tokenizer="toy"), **change)
     for section in SECTIONS:
       section.validate(cfg)

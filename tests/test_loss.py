@@ -147,3 +147,42 @@ def test_sharded_loss_and_grad_equal_unsharded():
     got, grad = fn(*(jax.device_put(x, sh) for x in (logp, old, adv, mask, refp)))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("agg, dual", [("token-mean", None), ("seq-mean-token-sum", 3.0)])
+def test_truncated_importance_sampling_matches_verl(agg, dual):
+  """Rollout IS in verl's token-level truncate mode: min(pi_old / pi_rollout, T) weighs each
+  token's surrogate (after the dual clip), not the KL term; the weights are constants."""
+  logp, old, adv, mask, refp = _batch(7)
+  rollout = (old + np.random.default_rng(1).normal(0, 0.5, old.shape)).astype(np.float32)
+  w = salt_jax.rollout_is_weights(old, rollout, mask, 2.0)
+  want_w = ref.truncated_is_weights(old, rollout, mask, 2.0)
+  np.testing.assert_allclose(w, want_w, rtol=1e-6)
+  assert float(jnp.max(w)) == 2.0 and 0.0 < float(jnp.min(jnp.where(mask, w, 9.0))) < 1.0
+  loss, metrics = salt_jax.policy_loss(logp, old, adv, mask, dual_clip=dual, ref_logp=refp,
+                                       kl_coef=0.05, loss_agg=agg, is_weights=w)
+  want, want_pg, _ = ref.ppo_loss(logp, old, adv, mask, 0.2, 0.2, dual, refp, 0.05, "k3", agg,
+                                  is_weights=want_w)
+  np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics.pg_loss, want_pg, rtol=1e-5, atol=1e-6)
+  # Weights of 1 are no weights; no gradient reaches the weights.
+  plain, _ = salt_jax.policy_loss(logp, old, adv, mask, loss_agg=agg)
+  ones, _ = salt_jax.policy_loss(logp, old, adv, mask, loss_agg=agg,
+                                 is_weights=np.ones_like(logp))
+  np.testing.assert_allclose(ones, plain, rtol=1e-6)
+  g = jax.grad(lambda ww: salt_jax.policy_loss(logp, old, adv, mask, is_weights=ww)[0])(w)
+  assert not np.any(np.asarray(g))
+
+
+def test_truncated_importance_sampling_bad_inputs():
+  logp, old, _, mask, _ = _batch(8)
+  garbage = np.where(mask, old, np.nan).astype(np.float32)  # NaN off the mask: weight 0 there
+  w = np.asarray(salt_jax.rollout_is_weights(garbage, garbage, mask, 3.0))
+  assert np.all(np.isfinite(w)) and np.all(w[~mask] == 0) and np.all(w[mask] == 1.0)
+  for bad in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="threshold must be > 0"):
+      salt_jax.rollout_is_weights(old, old, mask, bad)
+  with pytest.raises(ValueError, match="rollout_logp"):
+    salt_jax.rollout_is_weights(old, old[:, :-1], mask, 2.0)
+  with pytest.raises(ValueError, match="is_weights"):
+    salt_jax.policy_loss(logp, old, np.zeros(logp.shape[0]), mask, is_weights=old[:-1])

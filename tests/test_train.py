@@ -815,3 +815,24 @@ def test_script_names_the_settings_a_resume_changes(tmp_path):
   assert p.returncode != 0 and "error: --resume: settings differ" in p.stderr, p.stderr[-2000:]
   assert "group_size: saved 3, now 4" in p.stderr
   assert sorted(os.listdir(out)) == ["checkpoints"]  # nothing written
+
+
+def test_truncated_importance_sampling_with_the_trainers_own_sampler(warm, tmp_path):
+  """Old log-probs recomputed by the trainer, weighed against the sampler's (truncated IS): the
+  built-in sampler runs the same weights, so every weight is 1 to rounding, nothing is cut, and
+  the iteration's update is the one without IS."""
+  rows = {}
+  for name, threshold in (("plain", None), ("tis", 2.0)):
+    cfg = dataclasses.replace(BASE, out=str(tmp_path / name), init_params=warm, iters=1,
+                              recompute_old_logprobs=True, rollout_is_threshold=threshold)
+    with Trainer(cfg) as tr:
+      tr.setup()
+      rows[name] = tr.iteration()
+      mbs = tr.last.minibatches
+  tis, plain = rows["tis"], rows["plain"]
+  assert tis["num_updates"] >= 1 and tis["skipped_updates"] == 0
+  assert abs(tis["rollout_is/mean"] - 1.0) < 1e-3 and tis["rollout_is/truncated_fraction"] == 0
+  assert "rollout_is/mean" not in plain
+  assert all("rollout_logprobs" in mb for mb in mbs)
+  for k in ("loss", "pg_loss", "grad_norm", "kl"):
+    np.testing.assert_allclose(tis[k], plain[k], rtol=1e-3, atol=1e-6, err_msg=k)
