@@ -10,9 +10,10 @@
 `TrainConfig` inherits every section, so its fields are flat (`config.lr`, `TrainConfig(lr=3e-4)`)
 and each section stays a readable unit (the command line groups its flags by section,
 `salt_jax.cli`). Each section's `validate()` checks its own fields; `TrainConfig.validate()`
-runs them all, then checks what sections ask of each other. Every field carries its help text in `metadata["help"]`. A run writes
-`TrainConfig.to_json()` to `<out>/config.json`; `TrainConfig.from_json` reads it back, so a saved
-config re-runs its run (`--config <out>/config.json`).
+runs them all, then checks what sections ask of each other. Every field carries its help text in
+`metadata["help"]`. A run writes `TrainConfig.to_json()` to `<out>/config.json`;
+`TrainConfig.from_json` reads it back, so a saved config re-runs its run (`--config
+<out>/config.json`).
 
 This module imports no jax: the command line builds a config before it fixes the device count.
 """
@@ -92,9 +93,9 @@ class EnvConfig:
       _pos_int(self, name)
     for name in ("env_workers", "eval_every"):
       _pos_int(self, name, 0)
-    _need(self.train_task_ids is None or (
-        len(self.train_task_ids) > 0 and all(isinstance(i, str) and i for i in self.train_task_ids)),
-          f"train_task_ids must be None or non-empty task id strings, got {self.train_task_ids!r}")
+    ids = self.train_task_ids
+    _need(ids is None or (len(ids) > 0 and all(isinstance(i, str) and i for i in ids)),
+          f"train_task_ids must be None or non-empty task id strings, got {ids!r}")
     registry.check_env_config(self)
 
 
