@@ -58,7 +58,7 @@ def _key(d: dict, name: str) -> tuple:
   query-block attention and resident-state arguments."""
   c = d["config"]
   rows_a_pass, minibatch = c["microbatch_rows"], c["minibatch_rows"]
-  if name in ("logprobs", "values"):  # without the field: the log-probs ran the mini-batch at once
+  if name in ("logprobs", "values"):  # a file without the field ran the mini-batch in one pass
     rows_a_pass = (c["logprob_microbatch_rows"] or rows_a_pass
                    if "logprob_microbatch_rows" in c else 0)
   if name in SAMPLER_PROGRAMS:  # the whole iteration's trajectories in one batch
@@ -70,7 +70,7 @@ def _key(d: dict, name: str) -> tuple:
     label += " (query blocks)"
   if name and d.get("resident_as_args"):
     label += " (state as args)"
-  if name and c.get("algo") == "ppo":  # the critic and its AdamW state resident beside it
+  if name and d.get("state", {}).get("critic"):  # a critic and its AdamW state beside it
     label += " (PPO)"
   dtype = c["param_dtype"]
   if c.get("compute_dtype") not in (None, dtype):

@@ -60,6 +60,7 @@ from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_id
 from salt_jax.config import TrainConfig
 from salt_jax.critic import critic_optimizer, critic_programs, init_critic
 from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
+from salt_jax.loss import rollout_is_weights
 from salt_jax.models import lora
 from salt_jax.models.build import build_policy, build_tokenizer
 from salt_jax.rollout import SamplingParams, collect
@@ -673,23 +674,23 @@ class Trainer:
         engine = cfg.rollout_engine != "builtin"
         with times("old_logprob"):
           if train_policy and (cfg.recompute_old_logprobs or engine):
-            diff, count, ratios = 0.0, 0, []
+            diff, count, weights = 0.0, 0, []
             for mb, lp in zip(mbs, self._logprobs_all(self.params, mbs)):
               mask = mb["loss_mask"].astype(bool)
               diff += float(np.abs(lp - mb["old_logprobs"])[mask].sum())
               count += int(mask.sum())
               if cfg.rollout_is_threshold is not None:  # the sampler's, for truncated IS
                 mb["rollout_logprobs"] = mb["old_logprobs"]
-                ratios.append(np.exp(np.clip(lp - mb["old_logprobs"], -20, 20))[mask])
+                weights.append(np.asarray(rollout_is_weights(
+                    lp, mb["rollout_logprobs"], mask, cfg.rollout_is_threshold))[mask])
               mb["old_logprobs"] = np.where(mask, lp, 0.0).astype(np.float32)
             if engine:  # mean |engine's - trainer's log-prob| over the trained tokens
               m["engine_logprob_abs_diff"] = diff / count if count else float("nan")
-            if ratios:  # pi_old / pi_sampler over the trained tokens, and how many were cut
-              r = np.concatenate(ratios).astype(np.float64)
-              m["rollout_is/mean"] = (float(np.minimum(r, cfg.rollout_is_threshold).mean())
-                                      if r.size else float("nan"))
-              m["rollout_is/truncated_fraction"] = (float(np.mean(r > cfg.rollout_is_threshold))
-                                                    if r.size else float("nan"))
+            if weights:  # the update's IS weights over the trained tokens, and how many were cut
+              w = np.concatenate(weights).astype(np.float64)
+              m["rollout_is/mean"] = float(w.mean()) if w.size else float("nan")
+              m["rollout_is/truncated_fraction"] = (
+                  float(np.mean(w >= cfg.rollout_is_threshold)) if w.size else float("nan"))
         if cfg.kl_coef > 0 and train_policy:  # no KL term: the reference is not evaluated
           with times("ref_logprob"):
             for mb, lp in zip(mbs, self._logprobs_all(self.ref_params, mbs)):

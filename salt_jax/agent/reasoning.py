@@ -13,9 +13,9 @@ this. A reasoner fills the `<think>` of a demonstration step instead:
   "subgoal"    the expert's sub-goal at that step and why the action serves it, from the task
                goal and the episode's actions so far (ALFWorld's six task types: find the object,
                take it, clean / heat / cool it, carry it to the target, light it with the lamp,
-               the second of two), in one of several phrasings; an expert's off-plan action (a
-               noisy expert's) is said to be a look around. A goal that is not ALFWorld's gets the
-               goal and the action.
+               the second of two), in one of several phrasings; a noisy expert's off-plan action
+               is said for what it is (another object taken, the object put down elsewhere). A
+               goal that is not ALFWorld's gets the goal and the action.
 
 A reasoner is `fn(goal, observation, action, rng, previous) -> str` (goal: `task_goal` of the
 episode's first observation, None when it has none; rng: a numpy Generator, seeded per demo and
