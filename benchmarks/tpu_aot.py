@@ -313,7 +313,7 @@ def run_shape(config: TrainConfig, mesh: Mesh, prompt_len: int, ref_dtype) -> Ru
   data = int(mesh.shape["data"])
   rows = -(-config.minibatch_rows // data) * data
   seq_len = batching.bucket_length(prompt_len + config.max_new_tokens, config.min_seq_len,
-                                   half_steps=True)
+                                   per_doubling=2)
   return RunShape(config, rows, seq_len, config.tasks_per_iter * config.group_size, ref_dtype)
 
 

@@ -2,6 +2,7 @@
 micro-batch.
 
   microbatched_value_and_grad(fun, n, weight_fn=...)  gradient accumulation over n micro-batches
+  grad_accumulator(fun, weight_fn=...)                the same as init/add/result, any shapes
   microbatched_rows(fun, n)                           a per-row function in n sequential passes
 
 A PPO mini-batch of long agent trajectories may not fit in memory as one forward and backward
@@ -22,7 +23,7 @@ Rows go to micro-batches round-robin (row r to micro-batch r % n), so rows split
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,101 @@ def microbatched_rows(fun: Callable, num_microbatches: int) -> Callable:
   return f
 
 
+class GradSums(NamedTuple):
+  """Running sums over micro-batches i: loss = sum_i w_i loss_i, grads = sum_i w_i grad_i,
+  weight = sum_i w_i (w_i the micro-batch's `weight_fn`); aux and aux_weight the same with the
+  aux weights, per aux value (None without aux). Micro-batches of weight 0 add nothing."""
+
+  loss: jax.Array
+  grads: Any
+  weight: jax.Array
+  aux: Any = None
+  aux_weight: Any = None
+
+
+class GradAccumulator(NamedTuple):
+  """Gradient accumulation as three pure functions (jit each, or run them inside one program):
+
+    init(params, batch, *args) -> GradSums of zeros (shapes traced from `batch`, not computed)
+    add(sums, params, batch, *args) -> sums with `batch`'s weighted value and gradient added
+    result(sums) -> (loss, grads) or ((loss, aux), grads): the weighted means
+  """
+
+  init: Callable
+  add: Callable
+  result: Callable
+
+
+def grad_accumulator(fun: Callable, *, weight_fn: Callable, aux_weight_fn: Callable | None = None,
+                     has_aux: bool = False) -> GradAccumulator:
+  """The batch aggregate's value and gradient summed one micro-batch at a time, for micro-batches
+  of any shapes (`microbatched_value_and_grad` runs it over equal ones in one `lax.scan`; the
+  trainer over micro-batches each cut to its own rows' length, one program per length).
+
+  Args: as `microbatched_value_and_grad`'s (weight_fn returns the one micro-batch's weight).
+  The result is sum_i w_i value_i / sum_i w_i; a total weight of 0 gives loss 0 and zero
+  gradients; a NaN in a micro-batch of positive weight reaches the result.
+
+  Raises (when add is traced): ValueError when weight_fn does not return one scalar, or
+  aux_weight_fn neither one scalar nor a tree shaped like aux.
+  """
+  aux_weight_fn = weight_fn if aux_weight_fn is None else aux_weight_fn
+  grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
+
+  def weighted(x, w):
+    return jnp.where(w > 0, x * w.astype(x.dtype), jnp.zeros_like(x))
+
+  def aux_weights(batch, aux):
+    aw = aux_weight_fn(batch)
+    if isinstance(aw, (jax.Array, np.ndarray, float, int)):
+      aw = jax.tree.map(lambda _: aw, aux)  # one weight for every aux value
+    elif jax.tree.structure(aw) != jax.tree.structure(aux):
+      raise ValueError(f"aux_weight_fn must return one scalar or a tree shaped like aux "
+                       f"({jax.tree.structure(aux)}), got {jax.tree.structure(aw)}")
+    return jax.tree.map(lambda w: _scalar_weight("aux_weight_fn", w), aw)
+
+  def add(sums: GradSums, params, batch, *args) -> GradSums:
+    out, g = grad_fn(params, batch, *args)
+    loss, aux = out if has_aux else (out, None)
+    w = _scalar_weight("weight_fn", weight_fn(batch))
+    new = sums._replace(loss=sums.loss + weighted(loss, w),
+                        grads=jax.tree.map(lambda t, x: t + weighted(x, w), sums.grads, g),
+                        weight=sums.weight + w)
+    if has_aux:
+      aw = aux_weights(batch, aux)
+      new = new._replace(
+          aux=jax.tree.map(lambda t, x, a: t + weighted(x, a), sums.aux, aux, aw),
+          aux_weight=jax.tree.map(lambda t, a: t + a, sums.aux_weight, aw))
+    return new
+
+  def init(params, batch, *args) -> GradSums:
+    out_shape, grad_shape = jax.eval_shape(grad_fn, params, batch, *args)
+    loss_shape, aux_shape = out_shape if has_aux else (out_shape, None)
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+    zero = jnp.zeros((), jnp.float32)
+    return GradSums(zeros(loss_shape), zeros(grad_shape), zero,
+                    zeros(aux_shape) if has_aux else None,
+                    jax.tree.map(lambda _: zero, aux_shape) if has_aux else None)
+
+  def result(sums: GradSums):
+    def mean(x, w):
+      return x / jnp.maximum(w, jnp.finfo(jnp.float32).tiny).astype(x.dtype)
+    loss = mean(sums.loss, sums.weight)
+    grads = jax.tree.map(lambda g: mean(g, sums.weight), sums.grads)
+    if not has_aux:
+      return loss, grads
+    return (loss, jax.tree.map(mean, sums.aux, sums.aux_weight)), grads
+
+  return GradAccumulator(init, add, result)
+
+
+def _scalar_weight(name: str, w) -> jax.Array:
+  w = jnp.asarray(w, jnp.float32)
+  if w.shape != ():
+    raise ValueError(f"{name} must return one scalar per micro-batch, got shape {w.shape}")
+  return w
+
+
 def microbatched_value_and_grad(fun: Callable, num_microbatches: int, *,
                                 weight_fn: Callable, aux_weight_fn: Callable | None = None,
                                 has_aux: bool = False) -> Callable:
@@ -115,64 +211,25 @@ def microbatched_value_and_grad(fun: Callable, num_microbatches: int, *,
   Returns:
     f(params, batch, *args) -> (loss, grads) or ((loss, aux), grads), equal (up to float
     rounding) to jax.value_and_grad(fun, has_aux)(params, batch, *args): loss and grads are
-    sum_i w_i value_i / sum_i w_i. A micro-batch of weight 0 adds nothing (not even a NaN of its
-    own); a batch of total weight 0 gives loss 0 and zero gradients. A NaN in a micro-batch of
-    positive weight reaches the result, for the caller's non-finite guard to see.
+    sum_i w_i value_i / sum_i w_i (`grad_accumulator`, in one `lax.scan`). A micro-batch of
+    weight 0 adds nothing (not even a NaN of its own); a batch of total weight 0 gives loss 0
+    and zero gradients. A NaN in a micro-batch of positive weight reaches the result, for the
+    caller's non-finite guard to see.
 
   Raises (when f is called or traced):
-    ValueError: num_microbatches < 1, a scalar leaf, leaves with different row counts, or rows
-      not divisible by num_microbatches.
+    ValueError: num_microbatches < 1, a scalar leaf, leaves with different row counts, rows
+      not divisible by num_microbatches, or weights that are not one scalar per micro-batch.
   """
   n = _check_count(num_microbatches)
-  aux_weight_fn = weight_fn if aux_weight_fn is None else aux_weight_fn
-  grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
   if n == 1:
-    return grad_fn
+    return jax.value_and_grad(fun, has_aux=has_aux)
+  acc = grad_accumulator(fun, weight_fn=weight_fn, aux_weight_fn=aux_weight_fn, has_aux=has_aux)
 
   def f(params, batch, *args) -> Any:
     mbs = _split(batch, n)
-
-    def shares(name, weights):
-      """Each micro-batch's share of the batch; all zero when the batch has no weight at all."""
-      w = jnp.asarray(weights, jnp.float32)
-      if w.shape != (n,):
-        raise ValueError(f"{name} must return one scalar per micro-batch, got shape {w.shape[1:]}")
-      return w / jnp.maximum(jnp.sum(w), jnp.finfo(jnp.float32).tiny)
-
-    share = shares("weight_fn", jax.vmap(weight_fn)(mbs))
-
-    def scaled(x, s, live):
-      return jnp.where(live, x * s.astype(x.dtype), jnp.zeros_like(x))
-
-    # Shapes of one micro-batch's outputs, for the zero accumulators.
     first = jax.tree.map(lambda x: x[0], mbs)
-    out_shape, grad_shape = jax.eval_shape(grad_fn, params, first, *args)
-    loss_shape, aux_shape = out_shape if has_aux else (out_shape, None)
-    aux_share = None
-    if has_aux:
-      aw = jax.vmap(aux_weight_fn)(mbs)
-      if isinstance(aw, (jax.Array, np.ndarray)):
-        aw = jax.tree.map(lambda _: aw, aux_shape)  # one weight for every aux value
-      elif jax.tree.structure(aw) != jax.tree.structure(aux_shape):
-        raise ValueError(f"aux_weight_fn must return one scalar or a tree shaped like aux "
-                         f"({jax.tree.structure(aux_shape)}), got {jax.tree.structure(aw)}")
-      aux_share = jax.tree.map(lambda w: shares("aux_weight_fn", w), aw)
-
-    def body(acc, xs):
-      mb, s, a = xs
-      out, g = grad_fn(params, mb, *args)
-      loss, aux = out if has_aux else (out, None)
-      live = s > 0
-      acc_loss, acc_grads, acc_aux = acc
-      acc_loss = acc_loss + scaled(loss, s, live)
-      acc_grads = jax.tree.map(lambda t, x: t + scaled(x, s, live), acc_grads, g)
-      if has_aux:
-        acc_aux = jax.tree.map(lambda t, x, ai: t + scaled(x, ai, ai > 0), acc_aux, aux, a)
-      return (acc_loss, acc_grads, acc_aux), None
-
-    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
-    init = (zeros(loss_shape), zeros(grad_shape), zeros(aux_shape) if has_aux else None)
-    (loss, grads, aux), _ = jax.lax.scan(body, init, (mbs, share, aux_share))
-    return ((loss, aux), grads) if has_aux else (loss, grads)
+    sums, _ = jax.lax.scan(lambda s, mb: (acc.add(s, params, mb, *args), None),
+                           acc.init(params, first, *args), mbs)
+    return acc.result(sums)
 
   return f

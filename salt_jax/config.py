@@ -32,6 +32,7 @@ from salt_jax.recipes import RECIPES
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
 LAYOUTS = ("trajectory", "step")
+MICROBATCH_LENGTHS = ("shared", "own")
 # Tunix's regex for Qwen2's seven projections (Llama's have the same names).
 DEFAULT_LORA_TARGETS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
 
@@ -305,6 +306,11 @@ class UpdateConfig:
   microbatch_rows: int = _field(0, "rows per forward/backward pass, gradients accumulated over "
                                 "the mini-batch (0: all at once); a multiple of the mesh's data "
                                 "axis")
+  microbatch_lengths: str = _field("shared", "shared: every micro-batch padded to its "
+                                   "mini-batch's longest row (one update program, TPU's "
+                                   "choice); own: rows of like length grouped into micro-batches, "
+                                   "each cut to its own longest row (a program per length; "
+                                   "rows of varied length, e.g. ALFWorld's, on CPU or GPU)")
   logprob_microbatch_rows: int = _field(0, "rows per pass of the old and reference log-prob "
                                         "programs (a forward pass keeps no activations for a "
                                         "backward one, so it can take more rows than "
@@ -333,6 +339,7 @@ class UpdateConfig:
     _one_of(self, "kl_estimator", KL_ESTIMATORS)
     _one_of(self, "loss_agg", LOSS_AGG_MODES)
     _one_of(self, "remat_policy", REMAT_POLICIES)
+    _one_of(self, "microbatch_lengths", MICROBATCH_LENGTHS)
     for name in ("ppo_epochs", "minibatch_rows", "min_seq_len", "logprob_chunk"):
       _pos_int(self, name)
     for name in ("warmup_steps", "microbatch_rows", "logprob_microbatch_rows", "critic_warmup"):

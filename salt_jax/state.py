@@ -51,10 +51,12 @@ class TrainState(NamedTuple):
 
 class UpdatePrograms(NamedTuple):
   """The jitted step programs `update_step` runs (`update.update_programs`' train_step and
-  `critic.critic_programs`' critic_step; critic_step None without a critic)."""
+  `critic.critic_programs`' critic_step; critic_step None without a critic; microbatch: the
+  policy step as `update.microbatch_programs`, used instead of train_step when given)."""
 
   train_step: Callable
   critic_step: Optional[Callable] = None
+  microbatch: Any = None
 
 
 # The mini-batch fields the critic's step reads (its regression target and old values are its
@@ -64,13 +66,17 @@ _CRITIC_ONLY = ("old_values", "returns")
 
 
 def update_step(programs: UpdatePrograms, state: TrainState, minibatch: dict, step_adv,
-                frozen=None, *, train_policy: bool = True) -> tuple[TrainState, dict, dict]:
+                frozen=None, *, train_policy: bool = True,
+                plan=None) -> tuple[TrainState, dict, dict]:
   """One mini-batch's optimizer steps on `state`: the critic's (with a critic), then the
   policy's (unless `train_policy` is False: the critic's warm-up).
 
   minibatch: dict of device arrays [rows, L] (`Trainer._minibatches`, filled by the log-prob and
     advantage phases); step_adv: the padded step advantages (a critic's per-token ones are in
     the mini-batch). Both programs donate what they update: `state`'s arrays are consumed.
+  plan: with `programs.microbatch`, the mini-batch's micro-batches as [(row indices, length)]
+    (`batching.microbatch_plan`): each is taken from the mini-batch on the device, cut to its
+    length, and its gradient added; one optimizer step follows.
   Returns (new state, the policy step's metrics or {}, the critic step's metrics or {}); the
   metrics stay on the device (read them once per iteration).
   """
@@ -81,7 +87,19 @@ def update_step(programs: UpdatePrograms, state: TrainState, minibatch: dict, st
   params, opt_state, out = state.params, state.opt_state, {}
   if train_policy:
     policy_batch = {k: v for k, v in minibatch.items() if k not in _CRITIC_ONLY}
-    params, opt_state, out = programs.train_step(params, opt_state, policy_batch, step_adv,
-                                                 frozen)
+    if programs.microbatch is None:
+      params, opt_state, out = programs.train_step(params, opt_state, policy_batch, step_adv,
+                                                   frozen)
+    else:
+      if not plan:
+        raise ValueError("micro-batch programs need the mini-batch's plan of micro-batches")
+      micro = programs.microbatch
+      sums = None
+      for rows, length in plan:
+        part = {k: v[rows, :length] for k, v in policy_batch.items()}
+        if sums is None:
+          sums = micro.grad_init(params, part, step_adv, frozen)
+        sums = micro.grad_add(sums, params, part, step_adv, frozen)
+      params, opt_state, out = micro.apply_grads(params, opt_state, sums)
   return state._replace(params=params, opt_state=opt_state, critic=critic,
                         critic_opt_state=critic_opt), out, critic_out

@@ -75,8 +75,8 @@ from salt_jax.sampling import length_buckets
 from salt_jax.state import TrainState, UpdatePrograms, update_step
 from salt_jax.sharding import (DATA_AXIS, batch_sharding, make_mesh, on_mesh, parse_mesh_shape,
                                replicated)
-from salt_jax.update import (estimator_options, lr_schedule, optimizer, step_advantages_program,
-                             update_programs)
+from salt_jax.update import (estimator_options, lr_schedule, microbatch_programs, optimizer,
+                             step_advantages_program, update_programs)
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class Trainer:
     self._opened = False
     self.iteration_index = 0
     self.skipped_updates_total = 0
+    self._plans: list = []  # per mini-batch: its micro-batches with microbatch_lengths "own"
     self.applied_updates = 0  # optimizer steps taken (the schedule's position)
     self._last_save_s = None  # the last checkpoint's save time, logged with the next row
     self.last: Optional[IterationData] = None
@@ -448,7 +449,11 @@ class Trainer:
       self._values, critic_step = critic_programs(
           self.config, self.graphdef, self.critic_tx, self.rows, shard_of(st.critic),
           shard_of(st.critic_opt_state))
-    self.programs = UpdatePrograms(train_step, critic_step)
+    microbatch = None
+    if self.config.microbatch_lengths == "own":
+      microbatch = microbatch_programs(self.config, self.graphdef, self.tx,
+                                       shard_of(st.params), shard_of(st.opt_state))
+    self.programs = UpdatePrograms(train_step, critic_step, microbatch)
 
   # ---------------------------------------------------------------- state and checkpoints
 
@@ -612,10 +617,16 @@ class Trainer:
     n = tb.input_ids.shape[0]
     fields = ("input_ids", "targets", "loss_mask", "token_step_ids", "old_logprobs",
               "attention_mask", "positions")
-    out = []
+    out, self._plans = [], []
+    micro = self.config.microbatch_rows or self.rows
     for s in range(0, n, self.rows):
-      length = batching.trimmed_length(tb.attention_mask[s:s + self.rows], self.config.min_seq_len)
+      mask = tb.attention_mask[s:s + self.rows]
+      length = batching.trimmed_length(mask, self.config.min_seq_len)
       out.append({f: getattr(tb, f)[s:s + self.rows, :length] for f in fields})
+      # with microbatch_lengths "own", the update's micro-batches (`state.update_step`)
+      self._plans.append(batching.microbatch_plan(mask[:, :length], micro,
+                                                  self.config.min_seq_len)
+                         if self.programs.microbatch is not None else None)
     return out
 
   def _on_device(self, mb: dict) -> dict:
@@ -783,7 +794,8 @@ class Trainer:
     with progress_bar(order, desc="update", enabled=self._show_progress, unit="batch") as bar:
       for i in bar:
         self.state, out, critic_out = update_step(self.programs, self.state, mbs[i], step_adv,
-                                                  self.frozen, train_policy=train_policy)
+                                                  self.frozen, train_policy=train_policy,
+                                                  plan=self._plans[i])
         if critic_out:
           critic_outs.append(critic_out)
         if out:

@@ -3,6 +3,7 @@
   step_advantages_program(algo, num_groups, num_segments, salt) -> jitted
       (EstimatorInputs) -> StepAdvantages (before and after SALT; a critic's token advantages)
   update_programs(config, graphdef, tx, rows, shardings...) -> (logprobs, train_step), jitted
+  microbatch_programs(config, graphdef, tx, shardings...) -> the step as per-micro-batch programs
   finite_update(tx, grads, opt_state, params, loss): an optimizer step kept only when finite
   lr_schedule(config), optimizer(config, schedule)
 
@@ -13,14 +14,15 @@ another machine (`benchmarks/tpu_aot.py`) and run in the trainer.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from salt_jax.accumulate import microbatched_rows, microbatched_value_and_grad
+from salt_jax.accumulate import (GradSums, grad_accumulator, microbatched_rows,
+                                 microbatched_value_and_grad)
 from salt_jax.advantages import ESTIMATORS, EstimatorInputs
 from salt_jax.config import TrainConfig
 from salt_jax.logprobs import token_logprobs, token_logprobs_and_entropy
@@ -136,42 +138,11 @@ def finite_update(tx: optax.GradientTransformation, grads, opt_state, params, lo
   return keep(new_params, params), keep(new_opt, opt_state), gnorm, ok
 
 
-def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformation, rows: int,
-                    param_shardings, opt_shardings):
-  """The trainer's two jitted device programs over the policy `graphdef`'s params.
-
-  `params` are the trained parameters: all of them, or the LoRA adapters alone, with the frozen
-  base passed as `frozen` (the rest of `nnx.split(model, nnx.LoRAParam, ...)`; None when `params`
-  are the whole model): the base is neither differentiated, nor held by the optimizer, nor
-  donated.
-
-  Returns (logprobs, train_step):
-    logprobs(params, input_ids, targets, attention_mask, positions, frozen=None) -> f32[rows, L]
-      token log-probs (the old and reference log-prob phases), in sequential passes of
-      `config.logprob_microbatch_rows` rows (default `config.microbatch_rows`; 0: all at once).
-    train_step(params, opt_state, mb, step_adv, frozen=None) -> (params, opt_state, metrics): one
-      PPO-clip step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl.
-      ref_logprobs, and a critic's per-token `advantages`, which replace `step_adv`; with
-      `config.rollout_is_threshold`, the sampler's `rollout_logprobs` weigh each token),
-      micro-batched per `config.microbatch_rows`; params and opt_state are donated
-      and come back on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite
-      loss or gradient leaves both unchanged and sets metrics['skipped'].
-  """
+def _policy_objective(config: TrainConfig, graphdef):
+  """(policy, loss_fn, loss_weight, metric_weights): the PPO-clip loss of a (micro-)batch and
+  its weights in the mini-batch's aggregate, shared by every update program."""
   def policy(params, frozen):
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-
-  def batch_logprobs(params, mb, frozen):
-    return token_logprobs(policy(params, frozen), mb["input_ids"], mb["targets"],
-                          mb["attention_mask"], positions=mb["positions"],
-                          chunk_size=config.logprob_chunk)
-
-  logprob_rows = config.logprob_microbatch_rows or config.microbatch_rows
-  logprobs_in_passes = microbatched_rows(batch_logprobs, rows // logprob_rows if logprob_rows
-                                         else 1)
-
-  def logprobs(params, ids, tg, am, pos, frozen=None):
-    return logprobs_in_passes(params, dict(input_ids=ids, targets=tg, attention_mask=am,
-                                           positions=pos), frozen)
 
   def loss_fn(p, mb, step_adv, frozen):
     model = policy(p, frozen)
@@ -203,19 +174,108 @@ def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformat
     m = PolicyLossMetrics(*([tokens] * len(PolicyLossMetrics._fields)))
     return m._replace(pg_loss=loss_weight(mb)), tokens
 
+  return policy, loss_fn, loss_weight, metric_weights
+
+
+def _apply_step(tx, params, opt_state, loss, aux, grads):
+  """The optimizer step of a mini-batch's gradient (kept only when finite) and its metrics."""
+  m, ent = aux
+  params, opt_state, gnorm, ok = finite_update(tx, grads, opt_state, params, loss)
+  out = dict(loss=loss, grad_norm=gnorm, kl=m.kl, clip_fraction=m.clip_fraction,
+             pg_loss=m.pg_loss, ratio_mean=m.ratio_mean, approx_kl_old=m.approx_kl_old,
+             entropy=ent, skipped=~ok)
+  return params, opt_state, out
+
+
+def update_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformation, rows: int,
+                    param_shardings, opt_shardings):
+  """The trainer's two jitted device programs over the policy `graphdef`'s params.
+
+  `params` are the trained parameters: all of them, or the LoRA adapters alone, with the frozen
+  base passed as `frozen` (the rest of `nnx.split(model, nnx.LoRAParam, ...)`; None when `params`
+  are the whole model): the base is neither differentiated, nor held by the optimizer, nor
+  donated.
+
+  Returns (logprobs, train_step):
+    logprobs(params, input_ids, targets, attention_mask, positions, frozen=None) -> f32[rows, L]
+      token log-probs (the old and reference log-prob phases), in sequential passes of
+      `config.logprob_microbatch_rows` rows (default `config.microbatch_rows`; 0: all at once).
+    train_step(params, opt_state, mb, step_adv, frozen=None) -> (params, opt_state, metrics): one
+      PPO-clip step with `tx` on a mini-batch of `rows` rows (dict of [rows, L] arrays incl.
+      ref_logprobs, and a critic's per-token `advantages`, which replace `step_adv`; with
+      `config.rollout_is_threshold`, the sampler's `rollout_logprobs` weigh each token),
+      micro-batched per `config.microbatch_rows`; params and opt_state are donated
+      and come back on `param_shardings` / `opt_shardings` (pytrees of shardings). A non-finite
+      loss or gradient leaves both unchanged and sets metrics['skipped'].
+  """
+  policy, loss_fn, loss_weight, metric_weights = _policy_objective(config, graphdef)
+
+  def batch_logprobs(params, mb, frozen):
+    return token_logprobs(policy(params, frozen), mb["input_ids"], mb["targets"],
+                          mb["attention_mask"], positions=mb["positions"],
+                          chunk_size=config.logprob_chunk)
+
+  logprob_rows = config.logprob_microbatch_rows or config.microbatch_rows
+  logprobs_in_passes = microbatched_rows(batch_logprobs, rows // logprob_rows if logprob_rows
+                                         else 1)
+
+  def logprobs(params, ids, tg, am, pos, frozen=None):
+    return logprobs_in_passes(params, dict(input_ids=ids, targets=tg, attention_mask=am,
+                                           positions=pos), frozen)
+
   micro = rows // config.microbatch_rows if config.microbatch_rows else 1
   grad_fn = microbatched_value_and_grad(
       loss_fn, micro, has_aux=True, weight_fn=loss_weight, aux_weight_fn=metric_weights)
 
   def train_step(params, opt_state, mb, step_adv, frozen=None):
     """One PPO-clip step on mini-batch `mb` (dict of [rows, L] arrays, incl. ref_logprobs)."""
-    (loss, (m, ent)), grads = grad_fn(params, mb, step_adv, frozen)
-    params, opt_state, gnorm, ok = finite_update(tx, grads, opt_state, params, loss)
-    out = dict(loss=loss, grad_norm=gnorm, kl=m.kl, clip_fraction=m.clip_fraction,
-               pg_loss=m.pg_loss, ratio_mean=m.ratio_mean, approx_kl_old=m.approx_kl_old,
-               entropy=ent, skipped=~ok)
-    return params, opt_state, out
+    (loss, aux), grads = grad_fn(params, mb, step_adv, frozen)
+    return _apply_step(tx, params, opt_state, loss, aux, grads)
   # Outputs pinned to the inputs' shardings: otherwise the second call sees params laid out
   # as XLA chose and compiles again.
   return jax.jit(logprobs), jax.jit(train_step, donate_argnums=(0, 1),
                                     out_shardings=(param_shardings, opt_shardings, None))
+
+
+class MicrobatchPrograms(NamedTuple):
+  """The PPO-clip step of one mini-batch as separate programs over its micro-batches, each
+  micro-batch at its own length (`batching.microbatch_plan`): one `grad_add` program per
+  micro-batch shape, where `update_programs`' train_step is one program at the mini-batch's
+  longest row's length for every micro-batch.
+
+    grad_init(params, micro, step_adv, frozen=None) -> GradSums of zeros
+    grad_add(sums, params, micro, step_adv, frozen=None) -> sums plus micro's weighted loss,
+      metrics and gradient (sums donated)
+    apply_grads(params, opt_state, sums) -> (params, opt_state, metrics), as train_step's
+      (params and opt_state donated)
+  """
+
+  grad_init: Callable
+  grad_add: Callable
+  apply_grads: Callable
+
+
+def microbatch_programs(config: TrainConfig, graphdef, tx: optax.GradientTransformation,
+                        param_shardings, opt_shardings) -> MicrobatchPrograms:
+  """`MicrobatchPrograms` for `update_programs`' loss (same arguments, same semantics: the
+  result is train_step's up to float rounding, whatever the micro-batches' grouping)."""
+  _, loss_fn, loss_weight, metric_weights = _policy_objective(config, graphdef)
+  acc = grad_accumulator(loss_fn, has_aux=True, weight_fn=loss_weight,
+                         aux_weight_fn=metric_weights)
+
+  def grad_init(params, micro, step_adv, frozen=None):
+    return acc.init(params, micro, step_adv, frozen)
+
+  def grad_add(sums, params, micro, step_adv, frozen=None):
+    return acc.add(sums, params, micro, step_adv, frozen)
+
+  def apply_grads(params, opt_state, sums):
+    (loss, aux), grads = acc.result(sums)
+    return _apply_step(tx, params, opt_state, loss, aux, grads)
+
+  sum_shardings = GradSums(None, param_shardings, None, None, None)
+  return MicrobatchPrograms(
+      jax.jit(grad_init, out_shardings=sum_shardings),
+      jax.jit(grad_add, donate_argnums=(0,), out_shardings=sum_shardings),
+      jax.jit(apply_grads, donate_argnums=(0, 1),
+              out_shardings=(param_shardings, opt_shardings, None)))

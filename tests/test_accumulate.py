@@ -216,3 +216,33 @@ def test_aux_weights_per_value_and_bad_aux_weights():
       aux_weight_fn=lambda mb: dict(token_mean=salt_jax.aggregate_weight(mb["mask"])))
   with pytest.raises(ValueError, match="tree shaped like aux"):
     g(PARAMS, batch)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_grad_accumulator_over_micro_batches_of_their_own_lengths(mode):
+  """Rows grouped in any order into micro-batches each cut to its own last real token (the
+  trainer's `batching.microbatch_plan`) give the whole batch's loss, gradient and aux."""
+  batch = _batch()
+  batch["mask"][:, 3:] = False  # rows 0-3 end by column 3, rows 4-7 run to the end
+  batch["mask"][4:, 4] = True
+  batch["mask"][5] = False
+  acc = salt_jax.accumulate.grad_accumulator(
+      lambda p, b: _loss(p, b, mode), has_aux=True,
+      weight_fn=lambda mb: salt_jax.aggregate_weight(mb["mask"], mode),
+      aux_weight_fn=lambda mb: salt_jax.aggregate_weight(mb["mask"], "token-mean"))
+  groups = [(np.array([6, 4, 7]), T), (np.array([0, 2]), 3), (np.array([3, 1, 5]), 3)]
+  micro = [{k: v[idx][:, :length] for k, v in batch.items()} for idx, length in groups]
+  add = jax.jit(acc.add)
+  sums = jax.jit(acc.init)(PARAMS, micro[0])
+  for mb in micro:
+    sums = add(sums, PARAMS, mb)
+  (loss, aux), grads = jax.jit(acc.result)(sums)
+  want_loss, want_grads, want_aux = _numpy_reference(PARAMS, batch, mode)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for k in want_grads:
+    np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  for k in want_aux:
+    np.testing.assert_allclose(aux[k], want_aux[k], rtol=1e-5, err_msg=k)
+  # No micro-batch at all, or none with weight: loss 0 and zero gradients.
+  (loss, _), grads = acc.result(acc.init(PARAMS, micro[0]))
+  assert float(loss) == 0.0 and all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))

@@ -65,9 +65,17 @@ def test_bucket_length():
     for lo in (1, 4, 16, 256):
       buckets = sorted({1 << k for k in range(14)} | {3 << k for k in range(13)})
       want = min(b for b in buckets if b >= max(n, lo))
-      assert batching.bucket_length(n, lo, half_steps=True) == want, (n, lo)
+      assert batching.bucket_length(n, lo, per_doubling=2) == want, (n, lo)
+  # Four steps a doubling: the next of 2^k (1 + j/4), against a brute-force search.
+  quarter = sorted({(4 + j) << k for k in range(12) for j in range(4)})
+  for n in list(range(0, 300)) + [513, 640, 641, 1023, 1025, 1300, 1500]:
+    want = min(b for b in quarter if b >= max(n, 16))
+    assert batching.bucket_length(n, 16, per_doubling=4) == want, n
+  assert batching.bucket_length(3, 1, per_doubling=4) == 4  # too short to split: powers of two
   with pytest.raises(ValueError):
     batching.bucket_length(-1)
+  with pytest.raises(ValueError, match="per_doubling"):
+    batching.bucket_length(4, per_doubling=0)
 
 
 def test_trimmed_length():
@@ -77,7 +85,7 @@ def test_trimmed_length():
     lengths = rng.integers(0, width + 1, rows)
     mask = np.arange(width)[None, :] < lengths[:, None]  # right-padded rows
     lo = int(rng.choice([1, 16, 64]))
-    want = min(width, batching.bucket_length(max(int(lengths.max()), 1), lo, half_steps=True))
+    want = min(width, batching.bucket_length(max(int(lengths.max()), 1), lo, per_doubling=2))
     assert batching.trimmed_length(mask, lo) == want, (lengths, width, lo)
     assert mask[:, want:].sum() == 0  # nothing real is cut
   assert batching.trimmed_length(np.zeros((2, 100), bool), 16) == 16  # all padding: the minimum
@@ -86,6 +94,31 @@ def test_trimmed_length():
     batching.trimmed_length(np.ones(10, bool))
   with pytest.raises(ValueError):
     batching.bucket_length(4, min_length=0)
+
+
+def test_microbatch_plan_groups_rows_of_like_length():
+  """Every row in exactly one micro-batch, longest first, each micro-batch cut to its own
+  longest row's bucket (nothing real cut, at most a fifth padding past 16)."""
+  rng = np.random.default_rng(1)
+  for _ in range(100):
+    micro = int(rng.choice([1, 2, 4]))
+    rows, width = micro * int(rng.integers(1, 5)), int(rng.integers(20, 1500))
+    lengths = rng.integers(0, width + 1, rows)
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    plan = batching.microbatch_plan(mask, micro, 16)
+    assert sorted(np.concatenate([idx for idx, _ in plan]).tolist()) == list(range(rows))
+    longest = [int(lengths[idx].max()) for idx, _ in plan]
+    assert longest == sorted(longest, reverse=True)
+    for (idx, length), top in zip(plan, longest):
+      assert len(idx) == micro and mask[idx, length:].sum() == 0
+      assert length == min(width, batching.bucket_length(max(top, 1), 16, per_doubling=4))
+  # ties keep row order; an all-padding row goes last
+  mask = np.arange(8)[None, :] < np.array([3, 0, 5, 3])[:, None]
+  assert [idx.tolist() for idx, _ in batching.microbatch_plan(mask, 1, 1)] == [[2], [0], [3], [1]]
+  with pytest.raises(ValueError, match="do not split"):
+    batching.microbatch_plan(mask, 3)
+  with pytest.raises(ValueError, match="rows, length"):
+    batching.microbatch_plan(np.ones(4, bool), 1)
 
 
 def synthetic_trajectories(rng, num_traj=4):
@@ -113,7 +146,7 @@ def test_step_rows_against_reference(seed):
   kept = np.flatnonzero(mask)
   assert tb.input_ids.shape[0] == max(4, -(-len(kept) // 4) * 4)
   assert tb.input_ids.shape[1] == batching.bucket_length(
-      max([len(prompts[k]) + len(resps[k]) for k in kept], default=1), 4, half_steps=True)
+      max([len(prompts[k]) + len(resps[k]) for k in kept], default=1), 4, per_doubling=2)
   for row, k in enumerate(kept):
     seq = list(prompts[k]) + list(resps[k])
     n, P = len(seq), len(prompts[k])

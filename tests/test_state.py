@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from salt_jax.state import CRITIC_FIELDS, TrainState, UpdatePrograms, update_step
+from salt_jax.update import MicrobatchPrograms
 
 
 def _state(critic: bool) -> TrainState:
@@ -71,3 +72,33 @@ def test_update_step_in_the_critic_warm_up_and_without_a_critic():
   new, out, critic_out = update_step(UpdatePrograms(_programs(calls).train_step), plain,
                                      {"targets": jnp.zeros((2, 4))}, 1.0)
   assert [c[0] for c in calls] == ["policy"] and critic_out == {} and new.critic is None
+
+
+def test_update_step_with_micro_batch_programs_follows_the_plan():
+  """With `UpdatePrograms.microbatch`, each planned micro-batch (rows, length) is cut from the
+  mini-batch and its gradient added, then one step applied; without a plan it is an error."""
+  seen = []
+
+  def grad_init(params, part, step_adv, frozen):
+    return {"n": jnp.float32(0), "total": jnp.float32(0)}
+
+  def grad_add(sums, params, part, step_adv, frozen):
+    seen.append({k: np.asarray(v) for k, v in part.items()})
+    return {"n": sums["n"] + 1, "total": sums["total"] + jnp.sum(part["targets"])}
+
+  def apply_grads(params, opt_state, sums):
+    return ({"w": params["w"] + sums["total"]}, {"count": opt_state["count"] + 1},
+            {"loss": sums["n"]})
+
+  programs = UpdatePrograms(None, None, MicrobatchPrograms(grad_init, grad_add, apply_grads))
+  targets = jnp.arange(12.0).reshape(3, 4)
+  mb = {"targets": targets, "returns": jnp.ones((3, 4))}
+  plan = [(np.array([2, 0]), 3), (np.array([1]), 2)]
+  new, out, _ = update_step(programs, _state(critic=False), mb, 0.0, plan=plan)
+  assert [sorted(p) for p in seen] == [["targets"], ["targets"]]  # no critic-only field
+  np.testing.assert_array_equal(seen[0]["targets"], np.asarray(targets)[[2, 0], :3])
+  np.testing.assert_array_equal(seen[1]["targets"], np.asarray(targets)[[1], :2])
+  assert int(out["loss"]) == 2 and int(new.opt_state["count"]) == 1
+  np.testing.assert_allclose(new.params["w"], 1.0 + 8 + 9 + 10 + 0 + 1 + 2 + 4 + 5)
+  with pytest.raises(ValueError, match="plan"):
+    update_step(programs, _state(critic=False), mb, 0.0)

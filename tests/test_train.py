@@ -475,27 +475,36 @@ def test_sampled_success_counts_the_rounds_rollouts(warm, tmp_path):
 
 
 def test_microbatches_give_the_same_update(warm, tmp_path):
-  """One 32-row mini-batch in one pass or as 4 micro-batches of 8 rows: the same loss, metrics
-  and gradient, with a mean over sequences (weighted by live rows) and token-mean metrics
-  (weighted by tokens) in the same step."""
+  """One 32-row mini-batch in one pass, as 4 micro-batches of 8 rows at the mini-batch's
+  length, or as 4 micro-batches of rows of like length each cut to its own length
+  (microbatch_lengths "own"): the same loss, metrics and gradient, with a mean over sequences
+  (weighted by live rows) and token-mean metrics (weighted by tokens) in the same step."""
   cfg = dataclasses.replace(BASE, out=str(tmp_path / "mb"), init_params=warm, minibatch_rows=32,
                             loss_agg="seq-mean-token-mean", iters=2, checkpoint_every=2)
+  settings = {"whole": dict(microbatch_rows=0), "micro 8": dict(microbatch_rows=8),
+              "own 8": dict(microbatch_rows=8, microbatch_lengths="own")}
   with Trainer(cfg) as tr:
     tr.setup()
     tr.save()
     rows, opts = {}, {}
-    for micro in (0, 8):
+    for name, change in settings.items():
       tr._restore(0)  # pylint: disable=protected-access
-      tr.config = dataclasses.replace(tr.config, microbatch_rows=micro)
+      tr.config = dataclasses.replace(tr.config, **change)
       tr._build_programs()  # pylint: disable=protected-access
-      rows[micro] = tr.iteration()
-      opts[micro] = jax.tree.map(np.asarray, tr.state.opt_state)
-      assert rows[micro]["num_updates"] == 1
-  for k in ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "approx_kl_old"):
-    np.testing.assert_allclose(rows[8][k], rows[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
-  np.testing.assert_allclose(rows[8]["grad_norm"], rows[0]["grad_norm"], rtol=1e-4)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6),
-               opts[8], opts[0])
+      rows[name] = tr.iteration()
+      opts[name] = jax.tree.map(np.asarray, tr.state.opt_state)
+      assert rows[name]["num_updates"] == 1
+      if name == "own 8":  # the micro-batches were cut shorter than their mini-batch
+        (plan,) = tr._plans  # pylint: disable=protected-access
+        width = tr.last.minibatches[0]["input_ids"].shape[1]
+        assert len(plan) == 4 and min(length for _, length in plan) < width
+  for name in ("micro 8", "own 8"):
+    for k in ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "approx_kl_old"):
+      np.testing.assert_allclose(rows[name][k], rows["whole"][k], rtol=1e-5, atol=1e-7,
+                                 err_msg=f"{name}: {k}")
+    np.testing.assert_allclose(rows[name]["grad_norm"], rows["whole"]["grad_norm"], rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6),
+                 opts[name], opts["whole"])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None
