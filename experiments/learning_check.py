@@ -295,7 +295,8 @@ PROGRESS_FILE = "progress.json"
 
 
 def learning_run(check: Check, seed: int, salt: bool, workdir: str,
-                 init: Optional[str] = None, resumable: bool = False) -> dict:
+                 init: Optional[str] = None, resumable: bool = False,
+                 start_file: Optional[str] = None) -> dict:
   """Success before and after `check.iters` iterations of RL seeded `seed`, from `init` (a saved
   `warm_start` of this check) or from a warm start cloned here.
 
@@ -303,6 +304,9 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
   `workdir/progress.json`, so that the same call after a kill goes on from the last checkpoint
   (the trainer's resume) and returns what an uninterrupted run would. Needs `init` (or
   `check.clone` False): the warm start must outlive the call.
+  start_file: a JSON file with the measurement of `init` before RL (training and held-out
+  tasks), shared by the runs that start from it: the measurement takes fixed keys and the same
+  policy, so every such run would measure the same; the first run writes it, the others read it.
   """
   t0 = time.time()
   if resumable and init is None and check.clone:
@@ -347,10 +351,20 @@ def learning_run(check: Check, seed: int, salt: bool, workdir: str,
       raise ValueError(f"{cfg.out} has a checkpoint at iteration {start} but {progress_path} "
                        "has no measurement before RL: remove the folder to start again")
     t1 = time.time()
-    # The measurement before RL is kept from an earlier call: taken of the same initial policy.
+    # The measurement before RL is kept from an earlier call, or from another run of the same
+    # start: taken of the same initial policy with the same keys.
+    shared = {}
+    if start_file and os.path.exists(start_file):
+      with open(start_file, encoding="utf-8") as f:
+        shared = json.load(f)
+    if "before" not in saved and shared:
+      saved["before"] = shared["before"]
+      held.update(ints(shared["heldout"]))
     if "before" not in saved:
       saved["before"] = measure(0)
     before = saved["before"]
+    if start_file and not shared:
+      write_json(start_file, {"before": before, "heldout": {0: held[0]} if 0 in held else {}})
     seconds["eval"] += time.time() - t1
     keep()
     for i in range(start, check.iters):
@@ -526,7 +540,13 @@ def main(argv=None):
         key = _run_key({**settings, "seed": seed, "salt": salt})
         d = os.path.join(args.runs_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
         os.makedirs(d, exist_ok=True)
-        run = learning_run(check, seed, salt, d, init=init, resumable=True)
+        # The start's measurement is shared by the runs that differ only in seed and SALT.
+        start = json.dumps({**{k: v for k, v in settings.items() if k not in ("iters", "eval_at")},
+                            "init": init}, sort_keys=True)
+        start_file = os.path.join(
+            args.runs_dir, f"start-{hashlib.sha256(start.encode()).hexdigest()[:16]}.json")
+        run = learning_run(check, seed, salt, d, init=init, resumable=True,
+                           start_file=start_file)
       else:
         with tempfile.TemporaryDirectory() as d:
           run = learning_run(check, seed, salt, d, init=init)

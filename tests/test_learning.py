@@ -305,6 +305,29 @@ def test_a_killed_resumable_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
     assert again[k] == whole[k], k
 
 
+def test_runs_of_one_start_share_its_measurement(tmp_path, monkeypatch):
+  """Runs from one warm start that differ in seed and SALT measure it alike (fixed keys, the
+  same policy): with a `start_file` the first run's measurement before RL (training and
+  held-out tasks) is written once and the next run reads it instead of taking it again."""
+  check = dataclasses.replace(FAST, iters=1, eval_rounds=1, heldout_tasks=1, sft_steps=10)
+  warm = learning_check.warm_start(check, str(tmp_path / "warm"), 0)
+  start_file = str(tmp_path / "start.json")
+  first = learning_check.learning_run(check, 0, True, str(tmp_path / "a"), init=warm,
+                                      resumable=True, start_file=start_file)
+  alone = learning_check.learning_run(check, 1, False, str(tmp_path / "b"), init=warm,
+                                      resumable=True)
+  measured, sampled = [], learning_check.sampled_success
+  monkeypatch.setattr(learning_check, "sampled_success",
+                      lambda *a, **k: measured.append(1) or sampled(*a, **k))
+  shared = learning_check.learning_run(check, 1, False, str(tmp_path / "c"), init=warm,
+                                       resumable=True, start_file=start_file)
+  assert len(measured) == 2  # after RL only, on both task lists
+  assert first["before"] == alone["before"] == shared["before"]
+  assert first["heldout"][0] == alone["heldout"][0] == shared["heldout"][0]
+  for k in ("after", "heldout", "curve"):
+    assert shared[k] == alone[k], k
+
+
 def test_textworld_warm_start_clones_the_noisy_expert():
   """The warm start's demonstrations on TextWorld: the env's expert with deviations, in the
   run's prompts, with the stand-in reasoning (responses for one action differ)."""
