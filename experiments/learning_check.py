@@ -420,6 +420,10 @@ def emit(run: dict, out: Optional[str]) -> None:
       f.write(line + "\n")
 
 
+# Settings that change how fast a run goes, not what it does: not part of a run's key or record.
+RUN_ONLY_FIELDS = ("compilation_cache",)
+
+
 def _run_key(run: dict) -> str:
   """What makes two runs the same experiment (so a finished one in --out is not run again)."""
   key = {k: run.get(k) for k in (
@@ -516,7 +520,8 @@ def main(argv=None):
     done = {_run_key(run) for run in finished}
   settings = dict(env=args.env, heldout_tasks=check.heldout_tasks,
                   demos_per_task=args.demos_per_task,
-                  overrides=over, epsilon=check.epsilon, sft_steps=check.sft_steps,
+                  overrides={k: v for k, v in over.items() if k not in RUN_ONLY_FIELDS},
+                  epsilon=check.epsilon, sft_steps=check.sft_steps,
                   sft_lr=check.sft_lr, sft_rows=check.sft_rows, clone=check.clone,
                   warm_seed=check.warm_seed, algo=check.config.algo, reasoning=args.reasoning,
                   iters=check.iters, eval_at=list(check.eval_at), eval_rounds=check.eval_rounds,

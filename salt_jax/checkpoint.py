@@ -47,9 +47,9 @@ from salt_jax.sharding import replicated
 # another mesh shape).
 RESUME_MAY_CHANGE = ("iters", "out", "resume", "progress", "eval_every", "tensorboard",
                      "distributed", "coordinator", "num_processes", "process_id",
-                     "microbatch_rows", "logprob_microbatch_rows", "remat_policy", "mesh",
-                     "attention_impl", "tracker", "async_checkpoint", "rollout_engine",
-                     "vllm_kv_cache_gib")
+                     "microbatch_rows", "microbatch_lengths", "logprob_microbatch_rows",
+                     "remat_policy", "mesh", "attention_impl", "tracker", "async_checkpoint",
+                     "rollout_engine", "vllm_kv_cache_gib", "compilation_cache")
 META_ITEM = "meta"  # the checkpoint's JSON item (orbax writes it to <step>/meta/metadata)
 
 

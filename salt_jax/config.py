@@ -383,6 +383,10 @@ class RunConfig:
   async_checkpoint: bool = _field(True, "write checkpoints in the background (orbax's async "
                                   "save): the loop goes on once the arrays are in host memory; "
                                   "off: a save returns when its checkpoint is complete")
+  compilation_cache: Optional[str] = _field(
+      None, "a folder that keeps XLA's compiled programs for later processes (a resumed run, "
+      "the next run of a study) to load instead of compiling; on a CPU kept per CPU model and "
+      "instruction set")
   tensorboard: bool = _field(True, "write TensorBoard event files")
   progress: bool = _field(True, "show each phase's progress (a line per iteration, bars inside a "
                           "rollout and an update)")

@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -53,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from envs import registry
 from salt_jax import batching
@@ -227,6 +230,33 @@ def sampled_success(trainer: "Trainer", rounds: int, first_seed: int,
   return out
 
 
+def _cpu_signature() -> str:
+  """The CPU's model and instruction-set flags (Linux), else what `platform` knows."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      info = dict(line.split(":", 1) for line in f if ":" in line)
+    return (info.get("model name\t", "") + info.get("flags\t", "")).strip()
+  except OSError:
+    return platform.machine() + platform.processor()
+
+
+def use_compilation_cache(folder: str, min_compile_seconds: float = 1.0) -> str:
+  """Makes this process keep XLA's compiled programs in `folder` and load them from there, so a
+  later process (a resumed run, the next run of a study) skips the compiles: jax's persistent
+  compilation cache, for programs that took at least `min_compile_seconds` to compile. On a
+  CPU the programs go to a subfolder named by the CPU's model and instruction-set flags: code
+  compiled for one CPU may not run, or round alike, on another. Returns the folder used."""
+  backend = jax.default_backend()
+  if backend == "cpu":
+    backend += "-" + hashlib.sha256(_cpu_signature().encode()).hexdigest()[:12]
+  path = os.path.join(os.path.abspath(folder), backend)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+  compilation_cache.reset_cache()  # a process that compiled before reads the setting again
+  return path
+
+
 class _PhaseTimes(dict):
   """{phase: seconds}; `with times("update"): ...` records one phase."""
 
@@ -258,6 +288,8 @@ class Trainer:
       log_lib.configure(only_if_unset=True)
     if config.distributed:  # before any other jax use
       multihost.initialize(config.coordinator, config.num_processes, config.process_id)
+    if config.compilation_cache:
+      use_compilation_cache(config.compilation_cache)
     self.num_processes, self.process_index = jax.process_count(), jax.process_index()
     devices = None if self.num_processes == 1 else multihost.mesh_devices(
         *parse_mesh_shape(config.mesh))

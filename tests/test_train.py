@@ -23,8 +23,10 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 from flax import nnx
 
 from envs import registry
@@ -38,7 +40,7 @@ from salt_jax.sharding import make_mesh
 from salt_jax.config import TrainConfig
 from salt_jax.models.build import build_policy, build_tokenizer, save_params
 from salt_jax.rewards import row_rewards
-from salt_jax.train import Trainer, _stats, sampled_success
+from salt_jax.train import Trainer, _stats, sampled_success, use_compilation_cache
 from tests import references as ref
 from tests.tensorboard_reader import read_tensorboard
 
@@ -869,3 +871,30 @@ def test_truncated_importance_sampling_with_the_trainers_own_sampler(warm, tmp_p
   assert all("rollout_logprobs" in mb for mb in mbs)
   for k in ("loss", "pg_loss", "grad_norm", "kl"):
     np.testing.assert_allclose(tis[k], plain[k], rtol=1e-3, atol=1e-6, err_msg=k)
+
+
+def test_compilation_cache_keeps_programs_per_cpu(tmp_path):
+  """`use_compilation_cache`: compiled programs land in a per-CPU subfolder of the folder given
+  (the same one on every call on this machine), and a fresh compile of the same program is
+  served from it."""
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  events = []
+  jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
+  try:
+    path = use_compilation_cache(str(tmp_path), min_compile_seconds=0)
+    assert os.path.dirname(path) == str(tmp_path) and os.path.basename(path).startswith("cpu-")
+    assert use_compilation_cache(str(tmp_path), min_compile_seconds=0) == path
+
+    def program(x):
+      return jnp.tanh(x @ x.T) * 3.0 + 0.123  # a program no other test compiles
+    jax.jit(program).lower(jnp.ones((5, 7))).compile()
+    assert any("program" in f for f in os.listdir(path)), os.listdir(path)
+    jax.clear_caches()
+    events.clear()
+    jax.jit(program).lower(jnp.ones((5, 7))).compile()
+    assert "/jax/compilation_cache/cache_hits" in events, events
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    compilation_cache.reset_cache()
