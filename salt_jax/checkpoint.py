@@ -204,6 +204,8 @@ class RunCheckpoints:
       return
     # A run saved before LoRA existed trained every parameter: its checkpoint holds no adapters.
     saved = {"lora_rank": 0, **with_current_names(meta["config"])}
+    # A field made resume-changeable after the run was saved is no longer compared.
+    saved = {k: v for k, v in saved.items() if k not in RESUME_MAY_CHANGE}
     diffs = config_differences(saved, self.compared_config())
     if diffs:
       raise ValueError(

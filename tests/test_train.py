@@ -837,6 +837,23 @@ def test_resume_of_a_checkpoint_with_only_a_config_digest(tmp_path):
         Trainer(cfg)
 
 
+def test_resume_of_a_run_saved_before_a_field_became_changeable(tmp_path):
+  """A saved run records every field; one that a later version lets a resume change
+  (`checkpoint.RESUME_MAY_CHANGE`) is not compared, whatever the saved value."""
+  cfg = dataclasses.replace(BASE, out=str(tmp_path / "old"), resume=True)
+  meta = os.path.join(cfg.out, "checkpoints", "1", "meta")
+  os.makedirs(meta)
+  saved = {**cfg.to_json(), "microbatch_lengths": "own", "compilation_cache": "/elsewhere"}
+  with open(os.path.join(meta, "metadata"), "w", encoding="utf-8") as f:
+    json.dump({"iteration": 1, "config": saved}, f)
+  Trainer(cfg)
+  saved["lr"] = 1.0
+  with open(os.path.join(meta, "metadata"), "w", encoding="utf-8") as f:
+    json.dump({"iteration": 1, "config": saved}, f)
+  with pytest.raises(ValueError, match="lr: saved 1.0"):
+    Trainer(cfg)
+
+
 def test_script_names_the_settings_a_resume_changes(tmp_path):
   """The experiment scripts stop, before any work, on a --resume whose flags differ from the
   saved run's (here a checkpoint's saved fields, as orbax lays them out)."""
