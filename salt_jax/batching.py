@@ -101,8 +101,8 @@ def microbatch_plan(attention_mask: np.ndarray, rows_per_microbatch: int,
   at a time, so rows of like length share a micro-batch, and each is cut to the bucketed length
   (`bucket_length`, 4 steps a doubling) of its own longest row. The gradient of a mini-batch
   is the weighted sum of its micro-batches' whatever the rows' grouping, so this changes only
-  the padding: a mini-batch of ALFWorld step rows (prompts of 400 to 1,400 tokens) cut to its
-  longest row pads about half its positions.
+  the padding: where rows' lengths vary (ALFWorld's step rows: prompts of 400 to 1,400 tokens),
+  short rows no longer pad to the mini-batch's longest.
   """
   mask = np.asarray(attention_mask)
   if mask.ndim != 2:

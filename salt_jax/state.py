@@ -94,11 +94,9 @@ def update_step(programs: UpdatePrograms, state: TrainState, minibatch: dict, st
       if not plan:
         raise ValueError("micro-batch programs need the mini-batch's plan of micro-batches")
       micro = programs.microbatch
-      sums = None
-      for rows, length in plan:
-        part = {k: v[rows, :length] for k, v in policy_batch.items()}
-        if sums is None:
-          sums = micro.grad_init(params, part, step_adv, frozen)
+      parts = [{k: v[rows, :length] for k, v in policy_batch.items()} for rows, length in plan]
+      sums = micro.grad_init(params, parts[0], step_adv, frozen)
+      for part in parts:
         sums = micro.grad_add(sums, params, part, step_adv, frozen)
       params, opt_state, out = micro.apply_grads(params, opt_state, sums)
   return state._replace(params=params, opt_state=opt_state, critic=critic,
