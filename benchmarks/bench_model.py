@@ -17,12 +17,12 @@ Peers run one after another in subprocesses, in their own virtual environments, 
 weights from a Hugging Face folder (config.json + model.safetensors) written by
 `salt_jax.models.save_pretrained`.
 
-Peer environments (Tunix 0.1.7 pins safetensors < 0.8, which clashes with transformers 5.24):
+Peer environments (Tunix 0.1.7 pins safetensors < 0.8, which clashes with transformers 5.19):
 
   python -m venv /work/main/.venv-tunix
   /work/main/.venv-tunix/bin/pip install google-tunix==0.1.7 jax==0.10.2 jaxlib==0.10.2 \
       flax==0.12.8
-  # PyTorch + verl: sees the system torch 2.13 / transformers 5.24, keeps the system env clean.
+  # PyTorch + verl: sees the system torch 2.13 / transformers 5.19, keeps the system env clean.
   python -m venv --system-site-packages /work/main/.venv-verl
   /work/main/.venv-verl/bin/pip install --no-deps verl==0.9.1
   /work/main/.venv-verl/bin/pip install ray tensordict omegaconf codetiming orjson

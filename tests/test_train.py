@@ -873,6 +873,22 @@ def test_script_names_the_settings_a_resume_changes(tmp_path):
   assert sorted(os.listdir(out)) == ["checkpoints"]  # nothing written
 
 
+def _engine_mismatch_metrics(tr, mbs) -> None:
+  """`_recompute_old_logprobs`' engine metrics (mean |delta log-prob|, k3 KL) on log-probs of a
+  made-up engine (the trainer's own, offset per token), against numpy's."""
+  # pylint: disable=protected-access
+  own = [np.asarray(lp) for lp in tr._logprob_passes(tr.state.params, mbs)]
+  rng = np.random.default_rng(0)
+  engine = [lp + rng.normal(0.0, 0.5, lp.shape).astype(np.float32) for lp in own]
+  got = tr._recompute_old_logprobs(
+      [dict(mb, old_logprobs=jnp.asarray(e)) for mb, e in zip(mbs, engine)], engine=True)
+  mask = np.concatenate([np.asarray(mb["loss_mask"]).astype(bool).ravel() for mb in mbs])
+  delta = np.concatenate([(o - e).ravel() for o, e in zip(own, engine)])[mask].astype(np.float64)
+  np.testing.assert_allclose(got["engine_logprob_abs_diff"], np.abs(delta).mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["engine_kl"], np.mean(np.exp(delta) - 1 - delta), rtol=1e-5)
+  assert got["engine_kl"] > 0.05  # N(0, 0.5) offsets: about 0.125
+
+
 def test_truncated_importance_sampling_with_the_trainers_own_sampler(warm, tmp_path):
   """Old log-probs recomputed by the trainer, weighed against the sampler's (truncated IS): the
   built-in sampler runs the same weights, so every weight is 1 to rounding, nothing is cut, and
@@ -885,6 +901,8 @@ def test_truncated_importance_sampling_with_the_trainers_own_sampler(warm, tmp_p
       tr.setup()
       rows[name] = tr.iteration()
       mbs = tr.last.minibatches
+      if threshold is not None:
+        _engine_mismatch_metrics(tr, mbs)
   tis, plain = rows["tis"], rows["plain"]
   assert tis["num_updates"] >= 1 and tis["skipped_updates"] == 0
   assert abs(tis["rollout_is/mean"] - 1.0) < 1e-3 and tis["rollout_is/truncated_fraction"] == 0

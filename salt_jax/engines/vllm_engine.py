@@ -9,8 +9,11 @@ string, `policy_logprobs` under the raw model at temperature 1 (vLLM's default
 cache (`reused_tokens` counts the prompt tokens it served), not through `continue_rows`.
 
 Differences from the built-in sampler:
-  - randomness is the engine's own generator (seeded once, `seed`): the call's `key` is ignored,
-    so a key does not reproduce a sample (a per-request `seed` crashed vLLM's CPU engine);
+  - randomness: the call's `key` seeds torch's global generator, which vLLM's CPU sampler draws
+    its noise from (the engine runs in this process), so a key reproduces a sample, as the
+    built-in sampler's does, yet the two engines draw different samples from one key (a
+    per-request `seed` would be vLLM's own way; it crashed the CPU engine). Without a key the
+    generator goes on from where it was (seeded once, `seed`);
   - `logprobs` (under the sampling distribution) are exact for greedy (0) and for temperature 1
     without top-k / top-p (the raw ones); with other settings they are NaN: vLLM returns one kind
     per engine, and the raw ones are what a trainer compares with its own.
@@ -29,6 +32,7 @@ engine starts; they are set here, before.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +43,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from salt_jax.engines import VLLM_MISSING, check_vllm_engine
@@ -67,6 +72,17 @@ def _environment(**values: str):
 def _remove(folders: Sequence[str]) -> None:
   for d in folders:
     shutil.rmtree(d, ignore_errors=True)
+
+
+def _torch_seed(key) -> int:
+  """A 63-bit seed for torch from a JAX PRNG key (typed or raw uint32 data): a hash of the key's
+  words, since torch's CPU generator keeps only a seed's low 32 bits (and keys 1 and 2 differ
+  only in their high word)."""
+  if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  words = np.asarray(key, np.uint32).ravel()
+  digest = hashlib.blake2b(words.tobytes(), digest_size=8).digest()
+  return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class VLLMEngine:
@@ -181,8 +197,12 @@ class VLLMEngine:
         head.quant_method.process_weights_after_loading(head)
 
     self.llm.collective_rpc(reload)
-    self.llm.reset_prefix_cache()  # its keys and values were computed with the old weights
+    self.reset_prefix_cache()  # its keys and values were computed with the old weights
     return time.perf_counter() - t0
+
+  def reset_prefix_cache(self) -> None:
+    """Forgets every cached prompt block: the next call prefills its prompts in full."""
+    self.llm.reset_prefix_cache()
 
   # ---------------------------------------------------------------- sampling
 
@@ -199,8 +219,8 @@ class VLLMEngine:
                greedy: bool = False, stop_strings: Sequence[str] = (),
                decode_fn: Callable[[list[int]], str] | None = None) -> SampleOutput:
     """Samples up to `max_new_tokens` new tokens for each prompt (see `Sampler.__call__`; `key`
-    is ignored: the engine's generator draws)."""
-    del key  # see the module docstring
+    seeds the draw, see the module docstring)."""
+    import torch  # pylint: disable=import-outside-toplevel  (vllm's own dependency)
     from vllm.inputs import TokensPrompt  # pylint: disable=import-outside-toplevel
     if isinstance(prompts, np.ndarray):
       prompts = list(prompts)
@@ -215,6 +235,8 @@ class VLLMEngine:
     params = self._sampling_params(max_new_tokens, temperature, top_p, top_k, greedy,
                                    stop_strings)
     raw_is_sampling = temperature == 1.0 and top_p >= 1.0 and top_k in (0, -1)
+    if key is not None:
+      torch.manual_seed(_torch_seed(key))
     results = self.llm.generate(
         [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params,
         use_tqdm=False)
