@@ -98,7 +98,7 @@ class VLLMEngine:
   def __init__(self, model_path: str, tokenizer, *, model_config, eos_token_ids: Sequence[int],
                max_model_len: int, dtype: str = "float32",
                kv_cache_gib: float = DEFAULT_KV_CACHE_GIB, seed: int = 0,
-               enable_prefix_caching: bool = True, cleanup: Sequence[str] = ()):
+               enable_prefix_caching: bool = True, cleanup: Sequence[str] = (), **llm_kwargs):
     """Starts the engine (about a minute on a CPU).
 
     Args:
@@ -116,6 +116,7 @@ class VLLMEngine:
         turns of a whole-history conversation).
       cleanup: temporary folders written for the engine (e.g. `model_path`'s), removed once it
         has started.
+      **llm_kwargs: more `vllm.LLM` arguments (e.g. enable_lora=True, max_lora_rank=16).
     Raises:
       ValueError: vllm is not installed, or the policy is one the CPU engine refuses.
     """
@@ -144,7 +145,7 @@ class VLLMEngine:
                       VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib)):
       self.llm = vllm.LLM(model=model_path, tokenizer=self._tok_dir, dtype=dtype, seed=int(seed),
                           max_model_len=self.max_model_len, generation_config=self._tok_dir,
-                          enable_prefix_caching=enable_prefix_caching)
+                          enable_prefix_caching=enable_prefix_caching, **llm_kwargs)
     self.start_seconds = time.perf_counter() - t0
     _remove(tuple(cleanup))  # a weights folder written for the start: read, no longer needed
     logger.info("vllm engine started in %.1fs (%s, %s GiB KV cache)", self.start_seconds,
