@@ -30,17 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_gpu import best_seconds  # noqa: E402  (best of timed calls after a warming one)
 from bench_rollout_engines import prompts_for  # noqa: E402  (the same prompts)
-
-
-def _best(fn, repeats: int) -> float:
-  fn()  # compiles / warms
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best
 
 
 def main(argv=None) -> int:
@@ -85,9 +76,9 @@ def main(argv=None) -> int:
     engine.reset_prefix_cache()
     engine.llm.generate(prompts, params, use_tqdm=False, **kw)
 
-  result["merged_sync_s"] = _best(lambda: engine.update_params(lora.merged_params(model)),
-                                  args.repeats)
-  result["merged_call_s"] = _best(sample, args.repeats)
+  result["merged_sync_s"] = best_seconds(lambda: engine.update_params(lora.merged_params(model)),
+                                        args.repeats)
+  result["merged_call_s"] = best_seconds(sample, args.repeats)
   engine.close()
   print(f"  merged:   sync {result['merged_sync_s']:.2f} s, call {result['merged_call_s']:.2f} s",
         flush=True)
@@ -114,9 +105,9 @@ def main(argv=None) -> int:
     write_adapters()
     sample(lora_request=request[0])
 
-  result["adapters_write_s"] = _best(write_adapters, args.repeats)
-  first = _best(sync_and_first_call, args.repeats)
-  result["adapters_call_s"] = _best(lambda: sample(lora_request=request[0]), args.repeats)
+  result["adapters_write_s"] = best_seconds(write_adapters, args.repeats)
+  first = best_seconds(sync_and_first_call, args.repeats)
+  result["adapters_call_s"] = best_seconds(lambda: sample(lora_request=request[0]), args.repeats)
   result["adapters_sync_s"] = first - result["adapters_call_s"]
   engine.close()
   print(f"  adapters: sync {result['adapters_sync_s']:.2f} s (writing "
