@@ -1,15 +1,32 @@
-"""Test setup: 8 simulated CPU devices, so mesh tests (4x2) run on any machine.
+"""Test setup: 8 simulated CPU devices, so mesh tests (4x2) run on any machine; one XLA
+compilation cache for the whole test run.
 
 XLA reads the flag once, when jax is first imported, so it is set here before anything imports jax.
+
+The tests build the same small programs many times over (a toy trainer's sampler, log-prob and
+update programs in most test files, and again in every trainer that a test starts as a
+subprocess), so the run keeps jax's persistent compilation cache in one temporary folder that the
+xdist workers and the subprocesses they start share (an environment variable jax reads on import).
+The process that loads this file first (pytest's, or xdist's controller) makes the folder and
+removes it at exit. jax's cache key holds the program, the devices, jax's version and XLA_FLAGS,
+so a run under another instruction set (`--xla_cpu_max_isa`) never loads these programs; a test
+that sets a cache of its own (`use_compilation_cache`) puts this one back after.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="salt_jax_tests_xla_")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 import importlib.util  # noqa: E402
