@@ -189,8 +189,8 @@ class RolloutConfig:
                                "sampler) or vllm (vLLM's engine, fed the params after every "
                                "update; installed apart, see README; old log-probs are then "
                                "recomputed by the trainer)")
-  vllm_kv_cache_gib: float = _field(4.0, "the vllm engine's KV cache, GiB "
-                                    "(VLLM_CPU_KVCACHE_SPACE)")
+  vllm_kv_cache_gib: int = _field(4, "the vllm engine's KV cache, whole GiB "
+                                  "(VLLM_CPU_KVCACHE_SPACE, which vLLM reads as an int)")
 
   def validate(self) -> None:
     """ValueError naming the first bad field of this section."""
@@ -212,7 +212,7 @@ class RolloutConfig:
     _need(self.prompt_history is None or self.prompt_history >= 0,
           f"prompt_history must be None or >= 0, got {self.prompt_history}")
     if self.rollout_engine == "vllm":
-      _positive(self, "vllm_kv_cache_gib")
+      _pos_int(self, "vllm_kv_cache_gib")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from salt_jax import engines
+from salt_jax import cli, engines
 from salt_jax.agent.prompts import stop_token_ids
 from salt_jax.config import TrainConfig
 from salt_jax.logprobs import token_logprobs
@@ -385,6 +385,20 @@ def test_a_key_reproduces_the_engines_sample(case):
   assert draw(jax.random.key(2)) != one
 
 
+def test_kv_cache_space_is_what_vllm_parses(tmp_path):
+  # pylint: disable-next=import-outside-toplevel
+  from salt_jax.engines.vllm_engine import _kv_cache_space
+  assert _kv_cache_space(4) == _kv_cache_space(4.0) == "4" and _kv_cache_space(1) == "1"
+  for bad in (2.5, 0, -1, float("nan"), float("inf"), True, "4"):
+    with pytest.raises(ValueError, match="whole number of GiB"):
+      _kv_cache_space(bad)
+  # the command line's value: an int (a float default once wrote "4.0", which vLLM refused)
+  cfg, _ = cli.config_from(["--rollout-engine", "vllm", "--out", str(tmp_path)])
+  assert int(_kv_cache_space(cfg.vllm_kv_cache_gib)) == cfg.vllm_kv_cache_gib == 4
+  cfg, _ = cli.config_from(["--vllm-kv-cache-gib", "2", "--out", str(tmp_path)])
+  assert cfg.vllm_kv_cache_gib == 2 and isinstance(cfg.vllm_kv_cache_gib, int)
+
+
 def test_torch_seed_of_a_key():
   from salt_jax.engines.vllm_engine import _torch_seed  # pylint: disable=import-outside-toplevel
   a, b = jax.random.key(1), jax.random.key(2)
@@ -416,8 +430,9 @@ def test_settings_the_engine_cannot_run_are_refused(tmp_path, monkeypatch):
     dataclasses.replace(cfg, tiny_policy={"head_dim": 64}).validate()  # 4 heads of 64 in 64
   with pytest.raises(ValueError, match="unknown rollout_engine 'sglang'"):
     dataclasses.replace(cfg, rollout_engine="sglang").validate()
-  with pytest.raises(ValueError, match="vllm_kv_cache_gib"):
-    dataclasses.replace(cfg, vllm_kv_cache_gib=0.0).validate()
+  for gib in (0, 0.0, 2.5, 4.0):
+    with pytest.raises(ValueError, match="vllm_kv_cache_gib must be an int >= 1"):
+      dataclasses.replace(cfg, vllm_kv_cache_gib=gib).validate()
   with pytest.raises(ValueError, match="distributed"):
     dataclasses.replace(cfg, distributed=True).validate()
   # the built-in engine takes any head size

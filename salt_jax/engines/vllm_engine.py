@@ -104,6 +104,17 @@ def _remove(folders: Sequence[str]) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _kv_cache_space(kv_cache_gib) -> str:
+  """VLLM_CPU_KVCACHE_SPACE for a KV cache of `kv_cache_gib` GiB: vLLM parses it with `int()`,
+  so "4.0" would stop the engine's start; a whole number >= 1 (4 or 4.0) is written as "4"."""
+  ok = (not isinstance(kv_cache_gib, bool) and isinstance(kv_cache_gib, (int, float))
+        and float(kv_cache_gib).is_integer() and kv_cache_gib >= 1)
+  if not ok:
+    raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 1 (vLLM's CPU engine takes "
+                     f"VLLM_CPU_KVCACHE_SPACE as an int), got {kv_cache_gib!r}")
+  return str(int(kv_cache_gib))
+
+
 def _torch_seed(key) -> int:
   """A 63-bit seed for torch from a JAX PRNG key (typed or raw uint32 data): a hash of the key's
   words, since torch's CPU generator keeps only a seed's low 32 bits (and keys 1 and 2 differ
@@ -127,7 +138,7 @@ class VLLMEngine:
 
   def __init__(self, model_path: str, tokenizer, *, model_config, eos_token_ids: Sequence[int],
                max_model_len: int, dtype: str = "float32",
-               kv_cache_gib: float = DEFAULT_KV_CACHE_GIB, seed: int = 0,
+               kv_cache_gib: int = DEFAULT_KV_CACHE_GIB, seed: int = 0,
                enable_prefix_caching: bool = True, cleanup: Sequence[str] = (), **llm_kwargs):
     """Starts the engine (about a minute on a CPU).
 
@@ -140,7 +151,7 @@ class VLLMEngine:
       eos_token_ids: ids that end a response (kept in the output), as the built-in sampler's.
       max_model_len: prompt + response tokens at most (the trainer's max_cache_len).
       dtype: the engine's weights and compute: 'float32' or 'bfloat16'.
-      kv_cache_gib: the engine's KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE).
+      kv_cache_gib: the engine's KV cache, in whole GiB (VLLM_CPU_KVCACHE_SPACE).
       seed: the engine's sampling generator.
       enable_prefix_caching: reuse the keys and values of shared prompt prefixes (the previous
         turns of a whole-history conversation).
@@ -151,6 +162,7 @@ class VLLMEngine:
       ValueError: vllm is not installed, or the policy is one the CPU engine refuses.
     """
     check_vllm_engine(model_config)
+    kv_cache_space = _kv_cache_space(kv_cache_gib)
     try:
       # pylint: disable=import-outside-toplevel
       import vllm
@@ -172,7 +184,7 @@ class VLLMEngine:
       json.dump({"eos_token_id": list(self.eos_token_ids)}, f)
     t0 = time.perf_counter()
     with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib)), _modules_vllm_can_scan():
+                      VLLM_CPU_KVCACHE_SPACE=kv_cache_space), _modules_vllm_can_scan():
       self.llm = vllm.LLM(model=model_path, tokenizer=self._tok_dir, dtype=dtype, seed=int(seed),
                           max_model_len=self.max_model_len, generation_config=self._tok_dir,
                           enable_prefix_caching=enable_prefix_caching, **llm_kwargs)
