@@ -21,10 +21,10 @@ fixture (about 20 s for these models):
     python -m pytest -q tests/test_vllm_engine.py
 """
 
-import dataclasses
-import json
 import contextlib
+import dataclasses
 import importlib.util
+import json
 import os
 import sys
 import types
