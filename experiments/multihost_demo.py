@@ -3,12 +3,18 @@
   python experiments/multihost_demo.py            # 2 processes x 2 CPU devices, toy env, 2 iters
   python experiments/multihost_demo.py --check    # and a 1-process run fed the same global batches
   python experiments/multihost_demo.py --algo ppo # PPO: the critic trained across the processes
+  python experiments/multihost_demo.py --rollout-engine vllm  # each process samples with vLLM
 
 A tiny policy is first behaviour-cloned on the toy env (so rewards differ within groups and the
 update moves the params); then `--num-processes` workers join through a coordinator on a free
 local port, each playing its share of every iteration's tasks, and train on one 'data' mesh over
 all their devices. Each worker prints a checksum of its params (and with --algo ppo its critic's):
 they must be identical.
+
+With `--rollout-engine vllm` (the vllm extra) every process starts its own vLLM engine in its own
+memory (a 1 GiB KV cache each here) and samples its share of the tasks with it; after every
+update each engine is loaded from its process's copy of the new params. The tiny policy then has
+one head of 64 dims, a size vLLM's CPU attention runs.
 
 With --check, one process over the same total number of devices replays the recorded global
 batches (`ReplayTrainer`), and its params and metrics are compared with the multi-process run's.
@@ -39,6 +45,9 @@ TOY = dict(env="toy", env_kwargs={"num_rooms": 3}, tokenizer="toy", group_size=4
            max_cache_len=512, prompt_bucket_min=128, env_workers=0, lr=3e-4, kl_coef=0.05,
            minibatch_rows=4, min_seq_len=64, seed=3, progress=False, tensorboard=False,
            checkpoint_every=1)
+# What --rollout-engine vllm changes: a head size vLLM's CPU attention runs, a small KV cache.
+VLLM = dict(rollout_engine="vllm", vllm_kv_cache_gib=1,
+            tiny_policy={"head_dim": 64, "num_heads": 1, "num_kv_heads": 1})
 RECORD = "rollouts.pkl"  # the global batches of the multi-process run, written by process 0
 
 
@@ -58,12 +67,16 @@ def params_digest(arrays) -> tuple[str, float]:
   return h.hexdigest(), total
 
 
-def warm_start(out: str) -> str:
+def toy_config(engine: str = "builtin", **kw):
+  """The demo's TrainConfig, sampling with `engine`."""
+  from salt_jax.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  return TrainConfig(**TOY, **(VLLM if engine == "vllm" else {}), **kw)
+
+
+def warm_start(out: str, engine: str = "builtin") -> str:
   """Behaviour-clones the toy expert into the tiny policy (one process); returns the params path."""
-  # pylint: disable=import-outside-toplevel
-  from salt_jax.config import TrainConfig
-  from salt_jax.sft import warm_start as clone
-  return clone(TrainConfig(**TOY, out=out), steps=120, num_demos=18, lr=1e-2)
+  from salt_jax.sft import warm_start as clone  # pylint: disable=import-outside-toplevel
+  return clone(toy_config(engine, out=out), steps=120, num_demos=18, lr=1e-2)
 
 
 def worker(args) -> int:
@@ -76,7 +89,6 @@ def worker(args) -> int:
   import jax
   import numpy as np
   from salt_jax.multihost import to_host
-  from salt_jax.config import TrainConfig
   from salt_jax.train import Trainer
 
   class ReplayTrainer(Trainer):
@@ -94,8 +106,9 @@ def worker(args) -> int:
   n = args.num_processes
   procs = dict(distributed=True, coordinator=args.coordinator, num_processes=n,
                process_id=args.process_id) if n > 1 else {}
-  cfg = TrainConfig(**TOY, iters=args.iters, out=args.out, init_params=args.init_params,
-                    mesh=f"{n * args.devices}x1", resume=args.resume, algo=args.algo, **procs)
+  cfg = toy_config(args.rollout_engine, iters=args.iters, out=args.out,
+                   init_params=args.init_params, mesh=f"{n * args.devices}x1",
+                   resume=args.resume, algo=args.algo, **procs)
   replay = None
   if args.replay:
     with open(args.replay, "rb") as f:
@@ -110,12 +123,13 @@ def worker(args) -> int:
       batches.append(tr.last.rollout)
     # (a collective: all call it); with a critic (PPO) its params too
     leaves = [to_host(x) for x in jax.tree.leaves((tr.state.params, tr.state.critic))]
+    engine_gap = engine_against_builtin(tr) if cfg.rollout_engine != "builtin" else None
   sha, total = params_digest(leaves)
   p = args.process_id
   np.savez(os.path.join(args.out, f"params_{p}.npz"), **{str(i): x for i, x in enumerate(leaves)})
   with open(os.path.join(args.out, f"process_{p}.json"), "w", encoding="utf-8") as f:
     json.dump({"process": p, "sha256": sha, "abs_sum": total, "local_tasks": local_tasks,
-               "rows": rows}, f)
+               "rows": rows, "engine_against_builtin": engine_gap}, f)
   if p == 0 and not replay:
     with open(os.path.join(args.out, RECORD), "wb") as f:
       pickle.dump(batches, f)
@@ -124,9 +138,28 @@ def worker(args) -> int:
   return 0
 
 
+def engine_against_builtin(tr) -> dict:
+  """This process's engine against the built-in sampler on its own copy of the current policy:
+  greedy tokens of a few of its last prompts, equal or not, and the largest |log-prob gap| of
+  the tokens both chose (so the engine holds the params of the last update)."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from salt_jax.sampling import Sampler
+  prompts = [list(p) for p in tr.last.local_rollout.prompt_ids[:3]]
+  args = dict(max_new_tokens=12, greedy=True, decode_fn=tr.tokenizer.decode)
+  ref = Sampler(tr.sampler_model, eos_token_ids=tr.sampler.eos_token_ids, pad_token_id=tr.pad_id,
+                max_cache_len=tr.config.max_cache_len)(prompts, jax.random.key(0), **args)
+  out = tr.sampler(prompts, None, **args)
+  same = all(np.array_equal(a, b) for a, b in zip(ref.tokens, out.tokens))
+  gap = max(float(np.max(np.abs(a[:len(b)] - b[:len(a)]), initial=0.0))
+            for a, b in zip(ref.policy_logprobs, out.policy_logprobs))
+  return {"greedy_tokens_equal": same, "max_logprob_gap": gap}
+
+
 def launch(out: str, *, num_processes: int, devices: int, iters: int, init_params: str,
            replay: str | None = None, resume: bool = False, timeout: float = 600,
-           algo: str = "grpo") -> list[str]:
+           algo: str = "grpo", engine: str = "builtin") -> list[str]:
   """Runs `num_processes` workers on this machine (coordinator on a free port), resuming the run
   in `out` with `resume`; returns their outputs. Raises RuntimeError naming the worker that
   failed."""
@@ -136,7 +169,8 @@ def launch(out: str, *, num_processes: int, devices: int, iters: int, init_param
   for i in range(num_processes):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--process-id={i}",
            f"--num-processes={num_processes}", f"--coordinator={coord}", f"--devices={devices}",
-           f"--iters={iters}", f"--out={out}", f"--init-params={init_params}", f"--algo={algo}"]
+           f"--iters={iters}", f"--out={out}", f"--init-params={init_params}", f"--algo={algo}",
+           f"--rollout-engine={engine}"]
     if replay:
       cmd.append(f"--replay={replay}")
     if resume:
@@ -162,7 +196,7 @@ def launch(out: str, *, num_processes: int, devices: int, iters: int, init_param
 
 
 def run_demo(out: str, *, num_processes: int = 2, devices: int = 2, iters: int = 2,
-             check: bool = False, algo: str = "grpo") -> dict:
+             check: bool = False, algo: str = "grpo", engine: str = "builtin") -> dict:
   """Warm start, then the multi-process run (and with `check` the 1-process replay).
 
   Returns {"multi": [process_<i>.json contents], "single": process_0.json of the replay or None,
@@ -170,18 +204,19 @@ def run_demo(out: str, *, num_processes: int = 2, devices: int = 2, iters: int =
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  init = warm_start(os.path.join(out, "warm"))
+  init = warm_start(os.path.join(out, "warm"), engine)
   print(f"[demo] warm start {time.perf_counter() - t0:.0f} s", flush=True)
   multi_dir = os.path.join(out, "multi")
   for o in launch(multi_dir, num_processes=num_processes, devices=devices, iters=iters,
-                  init_params=init, algo=algo):
+                  init_params=init, algo=algo, engine=engine):
     print(o.strip().splitlines()[-1], flush=True)
   multi = [_read_json(os.path.join(multi_dir, f"process_{i}.json")) for i in range(num_processes)]
   res = {"multi": multi, "single": None, "max_param_diff": None}
   if check:
     single_dir = os.path.join(out, "single")
     (o,) = launch(single_dir, num_processes=1, devices=num_processes * devices, iters=iters,
-                  init_params=init, replay=os.path.join(multi_dir, RECORD), algo=algo)
+                  init_params=init, replay=os.path.join(multi_dir, RECORD), algo=algo,
+                  engine=engine)
     print(o.strip().splitlines()[-1], flush=True)
     res["single"] = _read_json(os.path.join(single_dir, "process_0.json"))
     a = np.load(os.path.join(multi_dir, "params_0.npz"))
@@ -202,6 +237,8 @@ def main(argv=None) -> int:
   p.add_argument("--devices", type=int, default=2, help="CPU devices per process")
   p.add_argument("--iters", type=int, default=2)
   p.add_argument("--algo", default="grpo", help="the advantage estimator (e.g. ppo: a critic)")
+  p.add_argument("--rollout-engine", default="builtin", choices=("builtin", "vllm"),
+                 help="what samples the rollouts; vllm: one engine per process")
   p.add_argument("--check", action="store_true",
                  help="also run 1 process over the same devices on the recorded batches")
   # the worker's own flags (set by `launch`)
@@ -219,7 +256,7 @@ def main(argv=None) -> int:
   os.environ["JAX_PLATFORMS"] = "cpu"  # this process only warm-starts, on one CPU device
   out = args.out or os.path.join("runs", "multihost_demo", time.strftime("%Y%m%d-%H%M%S"))
   res = run_demo(out, num_processes=args.num_processes, devices=args.devices, iters=args.iters,
-                 check=args.check, algo=args.algo)
+                 check=args.check, algo=args.algo, engine=args.rollout_engine)
   shas = {r["sha256"] for r in res["multi"]}
   rows = res["multi"][0]["rows"]
   print(f"[demo] success rate per iteration {[round(r['success_rate'], 3) for r in rows]}, "

@@ -188,9 +188,11 @@ class RolloutConfig:
   rollout_engine: str = _field("builtin", "what samples the rollouts: builtin (salt_jax's JAX "
                                "sampler) or vllm (vLLM's engine, fed the params after every "
                                "update; installed apart, see README; old log-probs are then "
-                               "recomputed by the trainer)")
+                               "recomputed by the trainer; with several processes each runs "
+                               "its own engine for its share of the tasks)")
   vllm_kv_cache_gib: int = _field(4, "the vllm engine's KV cache, whole GiB "
-                                  "(VLLM_CPU_KVCACHE_SPACE, which vLLM reads as an int)")
+                                  "(VLLM_CPU_KVCACHE_SPACE, which vLLM reads as an int), per "
+                                  "process")
 
   def validate(self) -> None:
     """ValueError naming the first bad field of this section."""
@@ -477,8 +479,6 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
           "rollout_is_threshold weighs the trainer's old log-probs against the sampler's: set "
           "recompute_old_logprobs (or a rollout engine), or the weights are all 1")
     if self.rollout_engine == "vllm":
-      _need(not self.distributed, "--rollout-engine vllm runs in one process: it does not "
-            "support --distributed")
       check_vllm_engine(self.policy_shape())  # installed, and a head size its CPU attention runs
 
 

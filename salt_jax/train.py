@@ -12,7 +12,8 @@
                over the merged edges.
   old_logprob  from the sampler (`policy_logprobs`), or recomputed with the current params.
   ref_logprob  log-probs under the frozen initial policy (the KL reference).
-  update       PPO-clip (+ KL to the reference) over shuffled mini-batches (`update.update_programs`),
+  update       PPO-clip (+ KL to the reference) over shuffled mini-batches
+               (`update.update_programs`),
                AdamW with global-norm clipping; with a critic, its clipped value loss on each
                mini-batch first (`critic.critic_programs`), both through `state.update_step`. A
                mini-batch whose loss or gradient is not finite is skipped and counted. When every
@@ -69,7 +70,8 @@ from salt_jax.advantages import ESTIMATORS, count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
 from salt_jax.critic import critic_optimizer, critic_programs, init_critic
-from salt_jax.graph import build_merge_ids, cross_prompt_merges, gradient_changing_merges, sample_ids
+from salt_jax.graph import (build_merge_ids, cross_prompt_merges, gradient_changing_merges,
+                            sample_ids)
 from salt_jax.loss import rollout_is_weights
 from salt_jax.models import lora
 from salt_jax.models.build import build_policy, build_tokenizer
@@ -460,7 +462,8 @@ class Trainer:
     """Gives the sampler's policy the current params (all processes call it together); a
     separate rollout engine (`config.rollout_engine`) gets a copy, timed as phase 'weight_sync':
     with LoRA the merged weights W + A B alpha / R (one matmul per projection on the host; vLLM's
-    own adapters would add that work to every sampled token)."""
+    own adapters would add that work to every sampled token). With several processes each
+    process's engine is loaded from that process's own copy (`sampler_model`)."""
     params = self.state.params
     nnx.update(self.model, params)
     if self.sampler_model is not self.model:
@@ -468,8 +471,9 @@ class Trainer:
           params, nnx.state(self.sampler_model, self.trainable), self.mesh))
     if self.config.rollout_engine != "builtin":
       with self.times("weight_sync"):
-        self.sampler.update_params(lora.merged_params(self.model) if self.config.lora_rank
-                                   else params)
+        self.sampler.update_params(
+            lora.merged_params(self.sampler_model) if self.config.lora_rank
+            else nnx.state(self.sampler_model, self.trainable))
 
   def _build_programs(self) -> None:
     """The jitted log-prob and update programs for the current config (again after a change)."""

@@ -372,6 +372,24 @@ def test_a_lora_run_on_a_mesh_samples_its_merged_weights(warm_init, tmp_path):
 
 
 @needs_vllm
+def test_two_processes_each_sample_with_their_own_engine(tmp_path):
+  """`--distributed` with the engine (experiments/multihost_demo.py, 2 processes x 2 CPU
+  devices): each process plays its own tasks with its own engine, both train the same params,
+  and after the last update each engine holds that process's copy of them."""
+  from tests.test_multihost import demo  # pylint: disable=import-outside-toplevel
+  res = demo.run_demo(str(tmp_path), num_processes=2, devices=2, iters=2, engine="vllm")
+  p0, p1 = res["multi"]
+  assert p0["sha256"] == p1["sha256"]
+  assert not set(sum(p0["local_tasks"], [])) & set(sum(p1["local_tasks"], []))
+  for p in (p0, p1):
+    assert p["engine_against_builtin"]["greedy_tokens_equal"]
+    assert p["engine_against_builtin"]["max_logprob_gap"] < 1e-4
+    for row in p["rows"]:
+      assert row["num_updates"] >= 1 and 0 < row["time/weight_sync"] < 60
+      assert 0 <= row["engine_logprob_abs_diff"] < 1e-3
+
+
+@needs_vllm
 def test_a_key_reproduces_the_engines_sample(case):
   tok, _, engine = case
   prompts = _prompts(4)
@@ -433,8 +451,7 @@ def test_settings_the_engine_cannot_run_are_refused(tmp_path, monkeypatch):
   for gib in (0, 0.0, 2.5, 4.0):
     with pytest.raises(ValueError, match="vllm_kv_cache_gib must be an int >= 1"):
       dataclasses.replace(cfg, vllm_kv_cache_gib=gib).validate()
-  with pytest.raises(ValueError, match="distributed"):
-    dataclasses.replace(cfg, distributed=True).validate()
+  dataclasses.replace(cfg, distributed=True).validate()  # an engine per process
   # the built-in engine takes any head size
   dataclasses.replace(cfg, rollout_engine="builtin", tiny_policy={}).validate()
 
