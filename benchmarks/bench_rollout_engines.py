@@ -26,6 +26,14 @@ filled cache) over the bandwidth. Each phase's "of limit" is bound / measured.
   python benchmarks/bench_rollout_engines.py                   # vLLM too, with the vllm extra
   python benchmarks/bench_rollout_engines.py --random          # SmolLM2-shaped random weights
   python benchmarks/bench_rollout_engines.py --quick           # tiny shapes: checks the script
+
+With --iteration PARAMS, one GRPO+SALT iteration of the main job per engine instead, each in its
+own process (`experiments/alfworld_grpo_salt.py --recipe verl-agent`, 2 tasks x G = 8, at most 8
+steps, the same seed) from SmolLM2 with PARAMS (an orbax params folder, e.g. an ALFWorld clone
+from `experiments/learning_check.py --warm-dir`) loaded over it: rollout, old log-probs, update
+and weight-sync seconds from the run's metrics, with its steps and tokens.
+
+  python benchmarks/bench_rollout_engines.py --iteration <params> --engines builtin,vllm
 """
 
 from __future__ import annotations
@@ -142,6 +150,57 @@ def time_engine(engine, prompts, new: int, repeats: int) -> dict:
           "prefilled_tokens": prefilled}
 
 
+# The main job's iteration that --iteration times (issue 47's setting): verl-agent's recipe on
+# ALFWorld, 2 tasks x G = 8, at most 8 steps; the update in micro-batches of 2 rows, each at its
+# own length (what fits SmolLM2's ALFWorld rows on a 24 GB machine). An inadmissible action
+# counts as invalid (verl-agent: only a missing <action>), so that a group's rewards differ
+# even when none of its trajectories wins and the iteration always has an update to time.
+ITERATION_FLAGS = ("--recipe", "verl-agent", "--invalid-step", "admissible", "--iters", "1",
+                   "--tasks-per-iter", "2", "--group-size", "8", "--max-steps", "8", "--lr", "1e-5",
+                   "--minibatch-rows", "16", "--microbatch-rows", "2",
+                   "--microbatch-lengths", "own", "--remat-policy", "none", "--seed", "0")
+ITERATION_METRICS = ("time/rollout", "time/rollout_generate", "time/old_logprob", "time/update",
+                     "time/weight_sync", "time/iteration", "num_steps", "prompt_tokens",
+                     "prefilled_prompt_tokens", "response_tokens", "success_rate",
+                     "valid_action_ratio", "invalid_rewards", "num_updates",
+                     "engine_logprob_abs_diff")
+
+
+def time_iteration(engine: str, model: str, params: str, out: str) -> dict:
+  """One main-job iteration sampled by `engine`, in its own process; its logged metrics (those
+  of `ITERATION_METRICS` it has), with the command's wall time."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  from salt_jax import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, os.path.join(root, "experiments", "alfworld_grpo_salt.py"),
+         *ITERATION_FLAGS, "--model", model, "--init-params", params, "--rollout-engine", engine,
+         "--out", out]
+  t0 = time.perf_counter()
+  subprocess.run(cmd, cwd=root, check=True)
+  (row,) = metrics_lib.read_jsonl(os.path.join(out, "metrics.jsonl"))
+  return {"engine": engine, "command_s": time.perf_counter() - t0,
+          **{k: row[k] for k in ITERATION_METRICS if k in row}}
+
+
+def iteration_main(args) -> int:
+  """--iteration: the main job's iteration per engine; prints a row each, writes --json."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from salt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
+  model = args.model or str(smollm2_path())
+  engines = args.engines.split(",") if args.engines else ["builtin", "vllm"]
+  result = {"date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(), "model": model,
+            "params": args.iteration, "flags": list(ITERATION_FLAGS), "runs": []}
+  with tempfile.TemporaryDirectory() as tmp:
+    for engine in engines:
+      row = time_iteration(engine, model, args.iteration, os.path.join(tmp, engine))
+      result["runs"].append(row)
+      print(json.dumps(row), flush=True)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2)")
@@ -156,7 +215,11 @@ def main(argv=None) -> int:
   ap.add_argument("--new", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--json", default=None, help="write the figures here")
+  ap.add_argument("--iteration", default=None, metavar="PARAMS",
+                  help="time one main-job ALFWorld iteration per engine from these params")
   args = ap.parse_args(argv)
+  if args.iteration:
+    return iteration_main(args)
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np

@@ -15,7 +15,8 @@ The cache holds W slots per row, W the smallest of `cache_buckets` that fits the
 `max_cache_len`), since every decode step attends over all of them. The flow for a prompt bucket P:
   prefill: all P prompt slots are written to the cache in one forward pass, and the last one's
     logits give each row's first new token (decode step 0; the other positions' logits are never
-    computed), rather than feeding the last prompt token as a separate first decode step.
+    computed), rather than feeding the last prompt token as a separate first decode step. The
+    prompt attends causally over its own P slots only, not the W - P that decoding will fill.
   decode: a `lax.while_loop` feeds one token per step from step 1 (new token i-1 goes into slot
     P-1+i) and samples the next; it exits as soon as every row is done. So `max_new_tokens` new
     tokens need P + max_new_tokens - 1 <= W.
@@ -39,6 +40,13 @@ rows that a continuation leaves equal) are prefilled once, in the batch bucket o
 prompts, and each copy's row gets that row's cache, mask and first logits (a gather on the
 device) before it samples with its own key. Only a smaller batch bucket saves work, so calls
 whose distinct prompts fill the same bucket prefill every row as before.
+
+Prompts of different lengths (`split_lengths`): padding every row to the longest prompt's bucket
+can double a full prefill's work. When it saves enough, the distinct prompts are prefilled in two
+or three groups of similar length, each left-padded to its own bucket and written at the slot
+that makes it end where the longest group ends (RoPE positions are explicit; slots before a row's
+prompt are masked), then joined into one batch in the call's row order (a gather on the device)
+to decode as before.
 
 Randomness: row r at step i draws with `fold_in(fold_in(key, r), i)`, so a prompt's sample depends
 only on the key, its index in the list and the step, never on the batch bucket.
@@ -153,6 +161,19 @@ class _Plan(NamedTuple):
   reused: int              # prompt tokens read from the kept cache
   prefilled: int = 0       # prompt tokens prefilled (real, not padding)
   expand: np.ndarray | None = None  # i32[B] the prefilled row each prompt's row copies; None: U = B
+  # A full prefill in length groups (`Sampler(split_lengths=True)`): per group (tokens,
+  # positions, suffix_mask, cursor), each left-padded to its own bucket and written so that
+  # all end at the same slot; `gather` i32[B]: each output row's row in their concatenation.
+  # None: one group, the fields above.
+  groups: tuple | None = None
+  gather: np.ndarray | None = None
+
+
+# A full prefill is split into length groups only when that saves at least this share of its
+# padded positions (each group shape is one more compiled prefill).
+_MIN_GROUP_SAVING = 0.15
+# Three groups are searched (cubic in the prompts) up to this many distinct prompts; two beyond.
+_MAX_THREE_GROUP_SEARCH = 64
 
 
 # Batch buckets up to this many rows decode with `_few_rows_compiler_options`.
@@ -303,7 +324,8 @@ class Sampler:
                batch_buckets: Sequence[int] = _DEFAULT_BATCH_BUCKETS,
                cache_buckets: Sequence[int] | None = None,
                cache_dtype=None, mesh: jax.sharding.Mesh | None = None,
-               stop_check_every: int = 16, share_prompts: bool = True):
+               stop_check_every: int = 16, share_prompts: bool = True,
+               split_lengths: bool = True):
     """Args:
       model: a `CausalLM` (anything with `init_cache` and `forward_cached` as there).
       eos_token_ids: ids that end a row (the EOS token is kept in the output).
@@ -324,6 +346,11 @@ class Sampler:
       share_prompts: prompts of one call that are identical (a GRPO group's G copies of a task's
         first prompt) are prefilled once and their cache rows copied; each row still samples with
         its own key, so the output is the same as without sharing (up to float rounding).
+      split_lengths: a full prefill of prompts of very different lengths (ALFWorld's step
+        prompts run from about 450 to 1,300 tokens) runs in two or three groups of similar
+        length, each padded to its own bucket, when that saves at least 15% of the padded
+        positions; the groups are joined into one batch to decode. Not for calls that keep
+        their cache. Same output (up to float rounding).
     """
     eos = tuple(int(t) for t in np.atleast_1d(np.asarray(eos_token_ids, dtype=np.int64)))
     if not eos:
@@ -353,6 +380,7 @@ class Sampler:
     self.cache_dtype = cache_dtype
     self.stop_check_every = int(stop_check_every)
     self.share_prompts = bool(share_prompts)
+    self.split_lengths = bool(split_lengths)
     self.model = model
     self.num_traces = 0  # bumped each time a program is traced: a test hook for "no recompile"
     self.refresh()
@@ -373,6 +401,9 @@ class Sampler:
     # updates it in place.
     self._prefill = jax.jit(functools.partial(self._prefill_impl, self._graphdef),
                             static_argnames=("mode",))
+    self._prefill_rows = jax.jit(functools.partial(self._prefill_rows_impl, self._graphdef),
+                                 static_argnames=("width",))
+    self._join_groups = jax.jit(self._join_groups_impl, static_argnames=("mode",))
     decode = functools.partial(self._decode_impl, self._graphdef)
     self._decode = jax.jit(decode, static_argnames=("mode",), donate_argnums=(1,))
     few = _few_rows_compiler_options(
@@ -436,18 +467,29 @@ class Sampler:
     cache_mask = self._constrain_batch(
         jax.lax.dynamic_update_slice(keep, suffix_mask, (0, cursor)))
     logits, cache = model.forward_cached(tokens, positions, cache, cursor, cache_mask,
-                                         last_logits_only=True)
+                                         last_logits_only=True, fresh=kept_cache is None)
     logits, last_token, last_pos = logits[:, -1], tokens[:, -1], positions[:, -1]
     if expand is not None:  # repeated prompts: copy the one prefilled row to each of them
-      cache = cache.take_rows(expand, s)
-      cache_mask, logits, last_token, last_pos = (
-          self._constrain_batch(jnp.take(x, expand, axis=0))
-          for x in (cache_mask, logits, last_token, last_pos))
-    b = cache_mask.shape[0]
+      cache, cache_mask, logits, last_token, last_pos = self._take_rows(
+          expand, cache, cache_mask, logits, last_token, last_pos)
+    return self._first_step(cache, cache_mask, logits, last_token, last_pos, cursor + p - 1,
+                            n_real, key, knobs, mode)
+
+  def _take_rows(self, rows, cache, cache_mask, *per_row):
+    """The cache, its mask and each per-row array at batch rows `rows` (i32[B'])."""
+    return (cache.take_rows(rows, cache_mask.shape[1]),
+            *(self._constrain_batch(jnp.take(x, rows, axis=0)) for x in (cache_mask, *per_row)))
+
+  def _first_step(self, cache, cache_mask, logits, last_token, last_pos, start, n_real, key,
+                  knobs: _Knobs, mode: _Mode) -> _LoopState:
+    """The loop state once the prompts are in the cache: decode step 0 samples each row's first
+    token from the last prompt position's logits (f32[B, V]); `start` is that position's slot,
+    and rows from n_real on are padding that starts done."""
+    b, s = cache_mask.shape
     loop = _LoopState(
         cache=cache,
         cache_mask=cache_mask,
-        start=jnp.asarray(cursor + p - 1, jnp.int32),
+        start=jnp.asarray(start, jnp.int32),
         last_token=last_token,
         last_pos=last_pos,
         step=jnp.int32(0),
@@ -459,6 +501,37 @@ class Sampler:
         row_keys=jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(b, dtype=jnp.uint32)),
     )
     return self._advance(loop, logits, cache, cache_mask, knobs, mode)
+
+  def _prefill_rows_impl(self, graphdef, state, tokens, positions, suffix_mask, cursor, *,
+                         width: int):
+    """One length group of a full prefill: its prompts (left-padded to the group's bucket P_g)
+    written at `cursor` of a fresh `width`-slot cache, so that they end at the same slot as
+    every other group's. Returns (cache, cache_mask, last logits f32[b, V], last tokens, last
+    positions), one row per row of `tokens`."""
+    self.num_traces += 1
+    model = nnx.merge(graphdef, state)
+    b = tokens.shape[0]
+    cache = model.init_cache(b, width, dtype=self.cache_dtype)
+    cache_mask = self._constrain_batch(jax.lax.dynamic_update_slice(
+        jnp.zeros((b, width), bool), suffix_mask, (0, cursor)))
+    logits, cache = model.forward_cached(tokens, positions, cache, cursor, cache_mask,
+                                         last_logits_only=True, fresh=True)
+    return cache, cache_mask, logits[:, -1], tokens[:, -1], positions[:, -1]
+
+  def _join_groups_impl(self, parts, gather, start, n_real, key, knobs: _Knobs, *,
+                        mode: _Mode) -> _LoopState:
+    """The length groups' prefills (`_prefill_rows_impl` outputs) as one batch: the rows
+    concatenated, then gathered into the call's row order (`gather`: i32[B], each output row's
+    row in the concatenation; repeated prompts name the same one), and decode step 0."""
+    self.num_traces += 1
+    caches = [part[0] for part in parts]
+    layers = range(len(caches[0].k))
+    cache = type(caches[0])(tuple(jnp.concatenate([c.k[i] for c in caches]) for i in layers),
+                            tuple(jnp.concatenate([c.v[i] for c in caches]) for i in layers))
+    joined = (jnp.concatenate([part[j] for part in parts]) for j in range(1, 5))
+    cache, cache_mask, logits, last_token, last_pos = self._take_rows(gather, cache, *joined)
+    return self._first_step(cache, cache_mask, logits, last_token, last_pos, start, n_real, key,
+                            knobs, mode)
 
   def _advance(self, c: _LoopState, logits, cache, cache_mask, knobs: _Knobs,
                mode: _Mode) -> _LoopState:
@@ -596,10 +669,64 @@ class Sampler:
     return _Plan(tokens, positions, mask, cursor=kept.cursor, rows=rows, keep=keep,
                  reused=int(sum(bases)), prefilled=int(sum(len(x) for x in suffixes)))
 
+  def _length_groups(self, prompts, bu: int, max_new_tokens: int) -> list[np.ndarray] | None:
+    """Two or three groups of the prompts (index arrays, shortest first) by length, each to be
+    prefilled in its own batch and prompt bucket, when that runs at least `_MIN_GROUP_SAVING`
+    fewer padded positions than one batch of `bu` rows at the longest prompt's bucket; the
+    groups' batches hold at most `bu` rows in all (decode runs on the call's batch). None when
+    no split saves that much."""
+    n = len(prompts)
+    lengths = np.asarray([len(p) for p in prompts])
+    order = np.argsort(lengths, kind="stable")
+    bucket = [self._prompt_bucket(int(lengths[order[k - 1]]), max_new_tokens)
+              for k in range(1, n + 1)]  # the bucket of the k shortest prompts
+
+    def cost(bounds):
+      rows = [self._pad_batch(b - a) for a, b in zip(bounds, bounds[1:])]
+      if sum(rows) > bu:
+        return None
+      return sum(r * bucket[b - 1] for r, (_, b) in zip(rows, zip(bounds, bounds[1:])))
+
+    splits = [(0, k, n) for k in range(1, n)]
+    if n <= _MAX_THREE_GROUP_SEARCH:
+      splits += [(0, a, b, n) for a in range(1, n - 1) for b in range(a + 1, n)]
+    best, best_cost = None, (1.0 - _MIN_GROUP_SAVING) * bu * bucket[-1]
+    for bounds in splits:
+      c = cost(bounds)
+      if c is not None and c <= best_cost:
+        best, best_cost = bounds, c
+    if best is None:
+      return None
+    return [order[a:b] for a, b in zip(best, best[1:])]
+
+  def _plan_groups(self, prompts, groups, expand, bb: int, max_new_tokens: int) -> _Plan:
+    """A full prefill of the distinct `prompts` in length `groups`, all ending at the slot of
+    the longest group's bucket, then gathered to the call's `bb` rows (`expand`: each row's
+    distinct prompt, None: one row each)."""
+    buckets = [self._prompt_bucket(max(len(prompts[i]) for i in g), max_new_tokens)
+               for g in groups]
+    top = max(buckets)
+    width = self._cache_len(top + max_new_tokens - 1)
+    parts, where, offset = [], np.zeros(len(prompts), np.int32), 0
+    for g, pb in zip(groups, buckets):
+      rows = self._pad_batch(len(g))
+      tokens, positions, mask = self._layout([prompts[i] for i in g], [0] * len(g), pb, rows)
+      parts.append((tokens, positions, mask, top - pb))
+      where[g] = offset + np.arange(len(g))
+      offset += rows
+    gather = np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
+    source = np.arange(len(prompts)) if expand is None else expand
+    gather[:len(source)] = where[source]
+    return _Plan(tokens=parts[-1][0], positions=parts[-1][1], suffix_mask=parts[-1][2],
+                 cursor=0, rows=None, keep=np.zeros((bb, width), bool), reused=0,
+                 prefilled=int(sum(len(p) for p in prompts)), groups=tuple(parts),
+                 gather=gather)
+
   def _plan(self, prompts, continue_rows, kept: _Kept | None, bb: int,
-            max_new_tokens: int) -> _Plan:
+            max_new_tokens: int, keep_cache: bool = False) -> _Plan:
     """The call's plan: prefill each distinct prompt once (continuing its kept row where it
-    can), then copy its row to every prompt that repeats it (`expand`)."""
+    can), then copy its row to every prompt that repeats it (`expand`). A full prefill whose
+    cache is not kept may run in length groups (`_length_groups`)."""
     index, order = {}, []  # distinct prompt -> its plan row; each one's first occurrence
     expand = np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
     for i, p in enumerate(prompts if self.share_prompts else ()):
@@ -617,6 +744,10 @@ class Sampler:
       plan = self._plan_continuation(distinct, [continue_rows[i] for i in order], kept, bu,
                                      max_new_tokens)
     if plan is None:
+      groups = (self._length_groups(distinct, bu, max_new_tokens)
+                if self.split_lengths and not keep_cache and len(distinct) > 1 else None)
+      if groups is not None:
+        return self._plan_groups(distinct, groups, expand, bb, max_new_tokens)
       plan = self._plan_full(distinct, bu, max_new_tokens)
     return plan._replace(expand=expand)
 
@@ -688,17 +819,27 @@ class Sampler:
     mode = _Mode(greedy=greedy, filtered=not greedy and (k_filters or top_p < 1.0))
 
     bb = self._pad_batch(n)
-    plan = self._plan(prompts, continue_rows, kept, bb, max_new_tokens)
+    plan = self._plan(prompts, continue_rows, kept, bb, max_new_tokens, keep_cache)
     # numpy scalars: jit takes them as traced values without a device dispatch each.
     knobs = _Knobs(temperature=np.float32(max(temperature, 1e-6)), top_p=np.float32(top_p),
                    top_k=np.int32(k if k_filters else np.iinfo(np.int32).max),
                    max_new=np.int32(max_new_tokens))
 
     state = self._state
-    loop = self._prefill(state, None if plan.rows is None else kept.cache, self._put(plan.rows),
-                         self._put(plan.keep), self._put(plan.tokens), self._put(plan.positions),
-                         self._put(plan.suffix_mask), np.int32(plan.cursor),
-                         self._put(plan.expand), np.int32(n), key, knobs, mode=mode)
+    if plan.groups is not None:
+      width = plan.keep.shape[1]
+      parts = tuple(self._prefill_rows(state, self._put(tokens), self._put(positions),
+                                       self._put(mask), np.int32(cursor), width=width)
+                    for tokens, positions, mask, cursor in plan.groups)
+      loop = self._join_groups(parts, self._put(plan.gather),
+                               np.int32(plan.groups[0][3] + plan.groups[0][0].shape[1] - 1),
+                               np.int32(n), key, knobs, mode=mode)
+    else:
+      loop = self._prefill(state, None if plan.rows is None else kept.cache,
+                           self._put(plan.rows), self._put(plan.keep), self._put(plan.tokens),
+                           self._put(plan.positions), self._put(plan.suffix_mask),
+                           np.int32(plan.cursor), self._put(plan.expand), np.int32(n), key,
+                           knobs, mode=mode)
     del kept  # the gathered rows are all this call needs
 
     stopped = np.zeros(bb, bool)

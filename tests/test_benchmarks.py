@@ -1,13 +1,14 @@
 """The accelerator benchmark's arithmetic, and that the benchmarks run (tiny shapes on this CPU)."""
 
+import importlib.util
 import json
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_gpu  # noqa: E402
 
@@ -131,6 +132,45 @@ def test_rollout_engines_quick_run(capsys):
     for case in ("group", "distinct"):
       assert any(line.split()[:2] == [engine.strip(), case] for line in out.splitlines())
   assert "of limit" in out
+
+
+def test_rollout_engines_iteration_is_the_main_jobs_setting(tmp_path):
+  """--iteration's flags, read by the main job's parser over its defaults, give the iteration
+  the figures claim (verl-agent's recipe, 2 tasks x G = 8, at most 8 steps), and a valid
+  config."""
+  import bench_rollout_engines as bench  # pylint: disable=import-outside-toplevel
+  from salt_jax.cli import config_from
+  spec = importlib.util.spec_from_file_location(
+      "alfworld_grpo_salt", os.path.join(ROOT, "experiments", "alfworld_grpo_salt.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  cfg, _ = config_from([*bench.ITERATION_FLAGS, "--out", str(tmp_path / "run")],
+                       defaults=script.CPU_DEFAULTS)
+  assert (cfg.env, cfg.iters, cfg.tasks_per_iter, cfg.group_size, cfg.max_steps) == \
+      ("alfworld", 1, 2, 8, 8)
+  assert (cfg.prompt_history, cfg.reward_scale) == (2, 10.0)
+  assert cfg.invalid_step == "admissible"  # groups differ without a win: an update to time
+  assert cfg.microbatch_lengths == "own" and cfg.salt
+  cfg.validate()
+  assert {"time/rollout", "time/update", "time/weight_sync"} <= set(bench.ITERATION_METRICS)
+
+
+def test_xla_cpu_dots_times_a_decode_steps_streamed_weights(tmp_path, capsys):
+  """--decode-rows: jax and torch each time the 90 streamed products; the figures are the
+  weights' bytes and the FLOPs over the measured seconds."""
+  import bench_xla_cpu_dots as bench  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "decode.json"
+  assert bench.main(["--decode-rows", "2", "--flag-sets", "default", "--repeats", "1",
+                     "--json", str(out)]) == 0
+  rows = json.loads(out.read_text())["decode"]
+  assert [r["flags"] for r in rows] == ["torch", "default"]
+  k, n = bench.STREAM_SHAPE
+  for r in rows:
+    seconds = r["ms"] / 1e3
+    assert r["rows"] == 2 and seconds > 0
+    assert r["weight_gb_per_s"] == pytest.approx(90 * k * n * 4 / seconds / 1e9)
+    assert r["gflops"] == pytest.approx(2 * 2 * k * n * 90 / seconds / 1e9)
+  assert "GB/s of weights" in capsys.readouterr().out
 
 
 def test_bench_lora_times_the_critic_beside_each_setting(tmp_path, capsys):

@@ -429,6 +429,51 @@ def test_every_attention_impl_matches_batched(impl, monkeypatch):
   np.testing.assert_allclose(np.asarray(step), np.asarray(want_step), atol=1e-5, rtol=0)
 
 
+@nnx.jit(static_argnames=("fresh", "last_logits_only", "width"))
+def _prefill_at(model, ids, mask, cursor, *, fresh, last_logits_only, width):
+  """A prefill of ids[B, T] written at slot `cursor` of a fresh `width`-slot cache, then one
+  decode step after it: (prefill logits, cache, step logits)."""
+  b, t = ids.shape
+  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+  cache_mask = jax.lax.dynamic_update_slice(jnp.zeros((b, width), bool), mask, (0, cursor))
+  logits, cache = model.forward_cached(ids, positions, model.init_cache(b, width), cursor,
+                                       cache_mask, last_logits_only=last_logits_only, fresh=fresh)
+  step, _ = model.forward_cached(ids[:, -1:], positions[:, -1:] + 1, cache, cursor + t,
+                                 cache_mask.at[:, cursor + t].set(True))
+  return logits, cache, step
+
+
+@pytest.mark.parametrize("impl", sorted(ATTENTION_IMPLS))
+def test_a_fresh_prefill_attends_only_to_its_own_tokens(impl, monkeypatch):
+  """fresh=True (the prompt's own causal square) gives the logits, cache and next step that
+  attending over every slot of a longer cache gives, wherever the prompt is written, with the
+  last position's logits alone or all of them; a longer cache than the prompt is the sampler's
+  case (its slots after the prompt are for decoding)."""
+  from salt_jax.models import qwen2
+  monkeypatch.setattr(qwen2, "_ATTENTION_CHUNK_BYTES", 1)
+  monkeypatch.setattr(qwen2, "_CAUSAL_QUERY_BLOCK", 4)
+  monkeypatch.setattr(qwen2, "_QUERY_BLOCK", 4)
+  model = _random_model(ModelConfig.tiny(attention_impl=impl), 1)
+  ids, mask = _prompts(3, 10, seed=5)
+  for cursor, last in ((0, True), (0, False), (5, True)):
+    want = _prefill_at(model, ids, mask, jnp.int32(cursor), fresh=False, last_logits_only=last,
+                       width=24)
+    got = _prefill_at(model, ids, mask, jnp.int32(cursor), fresh=True, last_logits_only=last,
+                      width=24)
+    rows = mask if not last else np.ones((3, 1), bool)
+    np.testing.assert_allclose(np.asarray(got[0])[rows], np.asarray(want[0])[rows], atol=1e-5,
+                               rtol=0)
+    # Keys and values at the real tokens' slots (a padding slot's are never read: a padding
+    # query attends to nothing valid, so its output depends on the slots it is shown).
+    real = np.zeros((3, 24), bool)
+    real[:, cursor:cursor + 10] = mask
+    for a, b in zip(got[1].k + got[1].v, want[1].k + want[1].v):
+      slot_axis = 3 if a.shape[3] == 24 else 2
+      keep = np.expand_dims(real, (1, 2) if slot_axis == 3 else (1, 3))
+      np.testing.assert_allclose(np.where(keep, a, 0), np.where(keep, b, 0), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), atol=1e-5, rtol=0)
+
+
 # ---- forward argument checks ----
 
 

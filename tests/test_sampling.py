@@ -176,7 +176,7 @@ def test_ragged_batch_equals_each_prompt_alone(setup):
 def test_many_rows_decode_like_a_few(setup):
   """Batch buckets past `_FEW_ROWS` decode with the other compiled program: same answers."""
   model, sampler, _, _, _ = setup
-  few_rows = sampling._FEW_ROWS  # pylint: disable=protected-access
+  few_rows = sampling._FEW_ROWS
   big = Sampler(model, eos_token_ids=sampler.eos_token_ids, pad_token_id=PAD, max_cache_len=CACHE,
                 prompt_buckets=(8,), batch_buckets=(4, 2 * few_rows))
   prompts = [PROMPTS[i % 3] for i in range(few_rows + 1)]
@@ -504,7 +504,7 @@ def test_argmax_matches_numpy_with_ties_infinities_and_nan():
   x[5, 10] = np.nan
   x[5, 2] = np.inf
   x[6] = 0.0                                # all equal
-  got = np.asarray(jax.jit(sampling._argmax)(x))  # pylint: disable=protected-access
+  got = np.asarray(jax.jit(sampling._argmax)(x))
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
@@ -594,3 +594,97 @@ def test_decode_compiles_once_for_every_prompt_bucket(setup):
   traced = s.num_traces
   s([list(range(1, 13))], jax.random.key(0), max_new_tokens=4, greedy=True)
   assert s.num_traces == traced + 1
+
+
+# ---- length groups (`split_lengths`) ----
+
+LONG = [3 + (5 * i) % 80 for i in range(29)]
+LENGTH_CASES = {
+    # two short prompts beside long ones: a 32-token bucket for all, or 8 for the short
+    "short and long": [PROMPT_B, LONG, [4, 9, 12], LONG[:27], PROMPT_C, LONG[3:]],
+    # repeated prompts of both lengths (each prefilled once, then copied to its rows)
+    "repeated": [LONG, PROMPT_B, LONG, PROMPT_B, PROMPT_A, LONG, PROMPT_B, LONG[1:]],
+    # three lengths: 8, 16 and 32-token buckets
+    "three lengths": [PROMPT_B, LONG[:14], LONG, PROMPT_C, LONG[:12], LONG[2:], [6], LONG[:15]],
+}
+
+
+def _length_pair(model, eos):
+  """The same sampler with and without length groups: prompt buckets of 8, 16 and 32 tokens."""
+  kw = dict(eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=48, batch_buckets=(1, 2, 4, 8),
+            prompt_buckets=(8, 16, 32))
+  return Sampler(model, **kw), Sampler(model, split_lengths=False, **kw)
+
+
+@pytest.mark.parametrize("case", list(LENGTH_CASES))
+@pytest.mark.parametrize("greedy", [True, False])
+def test_length_groups_sample_what_one_padded_batch_does(setup, case, greedy):
+  """Prompts of very different lengths prefilled in groups of their own buckets give the
+  tokens and both log-probs of one batch padded to the longest, for a fixed key."""
+  model, _, _, eos, _ = setup
+  grouped, padded = _length_pair(model, eos)
+  prompts = LENGTH_CASES[case]
+  kw = dict(max_new_tokens=MAX_NEW, greedy=greedy, temperature=1.0)
+  got = grouped(prompts, jax.random.key(4), **kw)
+  want = padded(prompts, jax.random.key(4), **kw)
+  # Other matmul shapes, other f32 rounding, relative to the value (1.3e-5 on -1.87 here).
+  _assert_same(got, want, rtol=1e-5)
+  for g, w in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+  assert got.prefilled_tokens == want.prefilled_tokens
+
+
+def test_length_groups_are_chosen_where_they_save_padding(setup):
+  """The plan: groups only when they save at least 15% of the padded positions, with no more
+  rows in all than one batch; each group's bucket holds its longest prompt; every prompt's row
+  gathers its own prefilled row."""
+  model, _, _, eos, _ = setup
+  grouped, _ = _length_pair(model, eos)
+  prompts = LENGTH_CASES["three lengths"]
+  groups = grouped._length_groups(prompts, 8, MAX_NEW)
+  assert groups is not None and 2 <= len(groups) <= 3
+  assert sorted(np.concatenate(groups).tolist()) == list(range(len(prompts)))
+  longest = [max(len(prompts[i]) for i in g) for g in groups]
+  assert longest == sorted(longest)
+  cost = sum(grouped._pad_batch(len(g)) * grouped._prompt_bucket(m, MAX_NEW)
+             for g, m in zip(groups, longest))
+  assert cost <= 0.85 * 8 * 32
+  assert sum(grouped._pad_batch(len(g)) for g in groups) <= 8
+  plan = grouped._plan(prompts, None, None, 8, MAX_NEW)
+  assert plan.groups is not None
+  rows = [row for part in plan.groups for row in part[0]]  # the groups' token rows, in turn
+  for i, p in enumerate(prompts):  # the gathered row ends with the prompt, left-padded
+    row = rows[plan.gather[i]]
+    assert row[len(row) - len(p):].tolist() == p and not row[:len(row) - len(p)].any()
+  # every group ends at the slot of the longest group's bucket
+  assert {cursor + part.shape[1] for part, _, _, cursor in plan.groups} == {32}
+  # equal lengths, one bucket, a kept cache, one prompt: one batch
+  assert grouped._length_groups([LONG] * 4 + [LONG[1:]] * 4, 8, MAX_NEW) is None
+  assert grouped._plan(prompts, None, None, 8, MAX_NEW, keep_cache=True).groups is None
+  assert grouped._plan([LONG], None, None, 1, MAX_NEW).groups is None
+
+
+def test_length_groups_compile_a_bounded_set_of_programs(setup):
+  """A second call in the same buckets and group sizes compiles nothing; the prefill programs
+  are one per (rows, bucket) of a group, shared by calls that group differently."""
+  model, _, _, eos, _ = setup
+  grouped, _ = _length_pair(model, eos)
+  prompts = LENGTH_CASES["short and long"]
+  grouped(prompts, jax.random.key(0), max_new_tokens=4, greedy=True)
+  traced = grouped.num_traces
+  shuffled = [prompts[i] for i in (3, 0, 5, 2, 1, 4)]
+  grouped(shuffled, jax.random.key(1), max_new_tokens=4, greedy=True)
+  assert grouped.num_traces == traced
+
+
+def test_length_groups_on_a_mesh(setup):
+  model, _, _, eos, _ = setup
+  _, padded = _length_pair(model, eos)
+  prompts = LENGTH_CASES["three lengths"]
+  want = padded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
+  sharded = Sampler(shard_model(_model(), make_mesh("4x2")), eos_token_ids=[eos],
+                    pad_token_id=PAD, max_cache_len=48, batch_buckets=(4, 8),
+                    prompt_buckets=(8, 16, 32))
+  assert sharded._plan(prompts, None, None, 8, MAX_NEW).groups is not None
+  got = sharded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
+  _assert_same(got, want, rtol=1e-5)  # the model axis sums in another order (as above)

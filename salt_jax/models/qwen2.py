@@ -485,7 +485,8 @@ class CausalLM(nnx.Module):
 
   def forward_cached(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
                      cache_index: jax.Array, attention_mask_cache: jax.Array, *,
-                     last_logits_only: bool = False) -> tuple[jax.Array, KVCache]:
+                     last_logits_only: bool = False,
+                     fresh: bool = False) -> tuple[jax.Array, KVCache]:
     """Writes T tokens into the cache at `cache_index` and returns their logits.
 
     Args:
@@ -499,6 +500,10 @@ class CausalLM(nnx.Module):
         written now. A token at slot s attends to valid slots <= s.
       last_logits_only: return logits f32[B, 1, V] of the last of the T tokens only (what a
         sampler needs after prefill; avoids f32[B, T, V] for a long prompt and a large vocab).
+      fresh: no slot outside the T being written is valid for any row (a prompt's first
+        prefill): the tokens attend causally among themselves alone, as in the full forward,
+        rather than over all S slots (S also holds the slots decoding will fill: with a long
+        `max_new_tokens` most of the prefill's attention would go to masked slots). Same logits.
 
     Returns:
       (logits f32[B, T, V] (or [B, 1, V]), the updated cache).
@@ -542,9 +547,13 @@ class CausalLM(nnx.Module):
     index = jnp.asarray(cache_index, jnp.int32)
     key_mask = jnp.asarray(attention_mask_cache).astype(bool)
 
-    slots = jnp.arange(s, dtype=jnp.int32)
-    query_slots = index + jnp.arange(t, dtype=jnp.int32)
-    attn_mask = (slots[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]
+    if fresh:  # the T new tokens' own [T, T] causal square, under their slots' validity
+      new_mask = jax.lax.dynamic_slice_in_dim(key_mask, index, t, axis=1)
+      attn_mask = jnp.tril(jnp.ones((t, t), bool))[None] & new_mask[:, None, :]
+    else:
+      slots = jnp.arange(s, dtype=jnp.int32)
+      query_slots = index + jnp.arange(t, dtype=jnp.int32)
+      attn_mask = (slots[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]
     cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), c.head_dim, c.rope_theta)
     shard = self.activation_sharding
     zero = jnp.zeros((), jnp.int32)
@@ -562,12 +571,18 @@ class CausalLM(nnx.Module):
               (cache.v[i], v, (0, 2, 1, 3), (zero, zero, index, zero))))
       new_k.append(keys)
       new_v.append(values)
-      if last_logits_only and i == len(self.layers) - 1:
+      if fresh:  # the new keys and values as the full forward's layer takes them (rounded
+        # to the cache's dtype, as a read from the cache would give them)
+        keys = k.transpose(0, 2, 3, 1).astype(keys.dtype)
+        values = v.transpose(0, 2, 1, 3).astype(values.dtype)
+      last_only = last_logits_only and i == len(self.layers) - 1
+      if last_only:
         # Past the last layer's keys and values only the last token matters: its query, its
         # attention and its MLP (the other T - 1 tokens' would be computed and thrown away).
         q, x, attn_mask = q[:, -1:], x[:, -1:], attn_mask[:, -1:]
       x = shard(x + layer.attn.attend(q, keys.astype(self.dtype), values.astype(self.dtype),
-                                      attn_mask, shard), "act_btd")
+                                      attn_mask, shard, causal=fresh and not last_only),
+                "act_btd")
       x = shard(x + layer.mlp(layer.post_norm(x), shard), "act_btd")
     logits = self.logits_from_hidden(self.final_norm(x))
     return logits, KVCache(tuple(new_k), tuple(new_v))
