@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import best_seconds  # noqa: E402  (best of timed calls after a first one)
+
 FLAG_SETS = {
     "default": "",
     "onednn dot fusion": "--xla_cpu_experimental_onednn_fusion_type=dot",
@@ -123,13 +126,7 @@ def stream_torch(rows: int, repeats: int) -> float:
     for w in ws:
       acc = acc + (x @ w)[:, :8]
     return acc
-  call()
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    call()
-    best = min(best, time.perf_counter() - t0)
-  return best
+  return best_seconds(call, repeats)
 
 
 def decode_main(args) -> int:
