@@ -162,7 +162,7 @@ ITERATION_FLAGS = ("--recipe", "verl-agent", "--invalid-step", "admissible", "--
 ITERATION_METRICS = ("time/rollout", "time/rollout_generate", "time/old_logprob", "time/update",
                      "time/weight_sync", "time/iteration", "num_steps", "prompt_tokens",
                      "prefilled_prompt_tokens", "response_tokens", "success_rate",
-                     "valid_action_ratio", "invalid_rewards", "num_updates",
+                     "valid_action_ratio", "num_updates",
                      "engine_logprob_abs_diff")
 
 

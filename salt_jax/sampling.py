@@ -46,7 +46,9 @@ can double a full prefill's work. When it saves enough, the distinct prompts are
 or three groups of similar length, each left-padded to its own bucket and written at the slot
 that makes it end where the longest group ends (RoPE positions are explicit; slots before a row's
 prompt are masked), then joined into one batch in the call's row order (a gather on the device)
-to decode as before.
+to decode as before. Each group shape is one more compiled program, so only when the work saved
+is worth it: on a tiny policy (as in the tests' toy runs) the programs cost more than the
+padding.
 
 Randomness: row r at step i draws with `fold_in(fold_in(key, r), i)`, so a prompt's sample depends
 only on the key, its index in the list and the step, never on the batch bucket.
@@ -152,9 +154,10 @@ class _Plan(NamedTuple):
   arrays). U: the batch bucket of the distinct prompts, B: of all prompts (U = B unless prompts
   repeat)."""
 
-  tokens: np.ndarray       # i32[U, P] left-padded suffixes (whole prompts for a full prefill)
-  positions: np.ndarray    # i32[U, P] their position ids (0 on padding)
-  suffix_mask: np.ndarray  # bool[U, P] True on real suffix tokens
+  # None (all three) on a plan in length groups, whose per-group arrays are in `groups`.
+  tokens: np.ndarray | None       # i32[U, P] left-padded suffixes (whole prompts: full prefill)
+  positions: np.ndarray | None    # i32[U, P] their position ids (0 on padding)
+  suffix_mask: np.ndarray | None  # bool[U, P] True on real suffix tokens
   cursor: int              # slot of the suffix bucket's first column
   rows: np.ndarray | None  # i32[U] kept row each row continues; None: a full prefill
   keep: np.ndarray         # bool[U, W] kept slots each row attends to (none for a full prefill)
@@ -163,10 +166,12 @@ class _Plan(NamedTuple):
   expand: np.ndarray | None = None  # i32[B] the prefilled row each prompt's row copies; None: U = B
   # A full prefill in length groups (`Sampler(split_lengths=True)`): per group (tokens,
   # positions, suffix_mask, cursor), each left-padded to its own bucket and written so that
-  # all end at the same slot; `gather` i32[B]: each output row's row in their concatenation.
+  # all end at the same slot, its rows put after the previous group's in buffers of
+  # `joined_rows` rows (U); `gather` i32[B]: each output row's row in those buffers.
   # None: one group, the fields above.
   groups: tuple | None = None
   gather: np.ndarray | None = None
+  joined_rows: int = 0
 
 
 # A full prefill is split into length groups only when that saves at least this share of its
@@ -325,7 +330,7 @@ class Sampler:
                cache_buckets: Sequence[int] | None = None,
                cache_dtype=None, mesh: jax.sharding.Mesh | None = None,
                stop_check_every: int = 16, share_prompts: bool = True,
-               split_lengths: bool = True):
+               split_lengths: bool = True, split_min_flops: float = 1e11):
     """Args:
       model: a `CausalLM` (anything with `init_cache` and `forward_cached` as there).
       eos_token_ids: ids that end a row (the EOS token is kept in the output).
@@ -351,6 +356,9 @@ class Sampler:
         length, each padded to its own bucket, when that saves at least 15% of the padded
         positions; the groups are joined into one batch to decode. Not for calls that keep
         their cache. Same output (up to float rounding).
+      split_min_flops: ...and when the positions it saves cost at least this many FLOPs (2 per
+        parameter a position): about a second of a CPU's matmuls, what compiling a group's
+        program costs, so a tiny policy's prefills are never split.
     """
     eos = tuple(int(t) for t in np.atleast_1d(np.asarray(eos_token_ids, dtype=np.int64)))
     if not eos:
@@ -381,6 +389,7 @@ class Sampler:
     self.stop_check_every = int(stop_check_every)
     self.share_prompts = bool(share_prompts)
     self.split_lengths = bool(split_lengths)
+    self.split_min_flops = float(split_min_flops)
     self.model = model
     self.num_traces = 0  # bumped each time a program is traced: a test hook for "no recompile"
     self.refresh()
@@ -395,6 +404,8 @@ class Sampler:
     cache.
     """
     self._graphdef, self._state = nnx.split(self.model)
+    self._position_flops = 2 * sum(int(np.prod(x.shape))
+                                   for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
     self._kept: _Kept | None = None
     # The graphdef is closed over rather than passed as a static argument, so no call pays for
     # hashing it. The loop state (cache included) is donated to each decode chunk, so XLA
@@ -402,7 +413,9 @@ class Sampler:
     self._prefill = jax.jit(functools.partial(self._prefill_impl, self._graphdef),
                             static_argnames=("mode",))
     self._prefill_rows = jax.jit(functools.partial(self._prefill_rows_impl, self._graphdef),
-                                 static_argnames=("width",))
+                                 donate_argnums=(1,))
+    self._joined_init = jax.jit(functools.partial(self._joined_init_impl, self._graphdef),
+                                static_argnames=("rows", "width"))
     self._join_groups = jax.jit(self._join_groups_impl, static_argnames=("mode",))
     decode = functools.partial(self._decode_impl, self._graphdef)
     self._decode = jax.jit(decode, static_argnames=("mode",), donate_argnums=(1,))
@@ -502,34 +515,46 @@ class Sampler:
     )
     return self._advance(loop, logits, cache, cache_mask, knobs, mode)
 
-  def _prefill_rows_impl(self, graphdef, state, tokens, positions, suffix_mask, cursor, *,
-                         width: int):
+  def _prefill_rows_impl(self, graphdef, state, joined, offset, tokens, positions, suffix_mask,
+                         cursor):
     """One length group of a full prefill: its prompts (left-padded to the group's bucket P_g)
     written at `cursor` of a fresh `width`-slot cache, so that they end at the same slot as
-    every other group's. Returns (cache, cache_mask, last logits f32[b, V], last tokens, last
-    positions), one row per row of `tokens`."""
+    every other group's, then put at rows `offset`.. of `joined` (`_joined_init`'s buffers,
+    donated), which every group fills in turn. So a group's program depends on its own shape
+    and the call's, and the join's on the call's only, not on how its prompts were grouped."""
     self.num_traces += 1
     model = nnx.merge(graphdef, state)
-    b = tokens.shape[0]
+    b, width = tokens.shape[0], joined[1].shape[1]
     cache = model.init_cache(b, width, dtype=self.cache_dtype)
-    cache_mask = self._constrain_batch(jax.lax.dynamic_update_slice(
-        jnp.zeros((b, width), bool), suffix_mask, (0, cursor)))
+    cache_mask = jax.lax.dynamic_update_slice(jnp.zeros((b, width), bool), suffix_mask,
+                                              (0, cursor))
     logits, cache = model.forward_cached(tokens, positions, cache, cursor, cache_mask,
                                          last_logits_only=True, fresh=True)
-    return cache, cache_mask, logits[:, -1], tokens[:, -1], positions[:, -1]
 
-  def _join_groups_impl(self, parts, gather, start, n_real, key, knobs: _Knobs, *,
-                        mode: _Mode) -> _LoopState:
-    """The length groups' prefills (`_prefill_rows_impl` outputs) as one batch: the rows
-    concatenated, then gathered into the call's row order (`gather`: i32[B], each output row's
-    row in the concatenation; repeated prompts name the same one), and decode step 0."""
+    def put(big, small):
+      return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), offset, axis=0)
+    cache = type(cache)(*(tuple(put(a, x) for a, x in zip(big, small))
+                          for big, small in zip(joined[0], cache)))
+    part = (cache_mask, logits[:, -1], tokens[:, -1], positions[:, -1])
+    return (cache, *(self._constrain_batch(put(a, x)) for a, x in zip(joined[1:], part)))
+
+  def _joined_init_impl(self, graphdef, state, *, rows: int, width: int):
+    """Empty buffers for a grouped prefill's `rows` rows: (cache of `width` slots, cache_mask,
+    last logits f32[rows, V], last tokens, last positions)."""
     self.num_traces += 1
-    caches = [part[0] for part in parts]
-    layers = range(len(caches[0].k))
-    cache = type(caches[0])(tuple(jnp.concatenate([c.k[i] for c in caches]) for i in layers),
-                            tuple(jnp.concatenate([c.v[i] for c in caches]) for i in layers))
-    joined = (jnp.concatenate([part[j] for part in parts]) for j in range(1, 5))
-    cache, cache_mask, logits, last_token, last_pos = self._take_rows(gather, cache, *joined)
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(rows, width, dtype=self.cache_dtype)
+    return (cache, *(self._constrain_batch(x) for x in (
+        jnp.zeros((rows, width), bool), jnp.zeros((rows, model.config.vocab_size), jnp.float32),
+        jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32))))
+
+  def _join_groups_impl(self, joined, gather, start, n_real, key, knobs: _Knobs, *,
+                        mode: _Mode) -> _LoopState:
+    """The length groups' prefills (`_prefill_rows_impl`'s buffers) as one batch: gathered into
+    the call's row order (`gather`: i32[B], each output row's row in the buffers; repeated
+    prompts name the same one), and decode step 0."""
+    self.num_traces += 1
+    cache, cache_mask, logits, last_token, last_pos = self._take_rows(gather, *joined)
     return self._first_step(cache, cache_mask, logits, last_token, last_pos, start, n_real, key,
                             knobs, mode)
 
@@ -669,12 +694,14 @@ class Sampler:
     return _Plan(tokens, positions, mask, cursor=kept.cursor, rows=rows, keep=keep,
                  reused=int(sum(bases)), prefilled=int(sum(len(x) for x in suffixes)))
 
-  def _length_groups(self, prompts, bu: int, max_new_tokens: int) -> list[np.ndarray] | None:
-    """Two or three groups of the prompts (index arrays, shortest first) by length, each to be
-    prefilled in its own batch and prompt bucket, when that runs at least `_MIN_GROUP_SAVING`
-    fewer padded positions than one batch of `bu` rows at the longest prompt's bucket; the
-    groups' batches hold at most `bu` rows in all (decode runs on the call's batch). None when
-    no split saves that much."""
+  def _length_groups(self, prompts, bu: int,
+                     max_new_tokens: int) -> list[tuple[np.ndarray, int]] | None:
+    """Two or three groups of the prompts by length, shortest first, each (its prompts' indices,
+    its prompt bucket) to be prefilled in its own batch at that bucket, when that runs at least
+    `_MIN_GROUP_SAVING` fewer padded positions than one batch of `bu` rows at the longest
+    prompt's bucket and those positions' FLOPs reach `split_min_flops`; the groups' batches
+    hold at most `bu` rows in all (decode runs on the call's batch). None when no split saves
+    that much."""
     n = len(prompts)
     lengths = np.asarray([len(p) for p in prompts])
     order = np.argsort(lengths, kind="stable")
@@ -690,25 +717,26 @@ class Sampler:
     splits = [(0, k, n) for k in range(1, n)]
     if n <= _MAX_THREE_GROUP_SEARCH:
       splits += [(0, a, b, n) for a in range(1, n - 1) for b in range(a + 1, n)]
-    best, best_cost = None, (1.0 - _MIN_GROUP_SAVING) * bu * bucket[-1]
+    whole = bu * bucket[-1]
+    most = min((1.0 - _MIN_GROUP_SAVING) * whole,
+               whole - self.split_min_flops / max(self._position_flops, 1))
+    best, best_cost = None, most
     for bounds in splits:
       c = cost(bounds)
       if c is not None and c <= best_cost:
         best, best_cost = bounds, c
     if best is None:
       return None
-    return [order[a:b] for a, b in zip(best, best[1:])]
+    return [(order[a:b], bucket[b - 1]) for a, b in zip(best, best[1:])]
 
   def _plan_groups(self, prompts, groups, expand, bb: int, max_new_tokens: int) -> _Plan:
-    """A full prefill of the distinct `prompts` in length `groups`, all ending at the slot of
-    the longest group's bucket, then gathered to the call's `bb` rows (`expand`: each row's
-    distinct prompt, None: one row each)."""
-    buckets = [self._prompt_bucket(max(len(prompts[i]) for i in g), max_new_tokens)
-               for g in groups]
-    top = max(buckets)
+    """A full prefill of the distinct `prompts` in length `groups` (`_length_groups`), all
+    ending at the slot of the longest group's bucket, then gathered to the call's `bb` rows
+    (`expand`: each row's distinct prompt, None: one row each)."""
+    top = max(pb for _, pb in groups)
     width = self._cache_len(top + max_new_tokens - 1)
     parts, where, offset = [], np.zeros(len(prompts), np.int32), 0
-    for g, pb in zip(groups, buckets):
+    for g, pb in groups:
       rows = self._pad_batch(len(g))
       tokens, positions, mask = self._layout([prompts[i] for i in g], [0] * len(g), pb, rows)
       parts.append((tokens, positions, mask, top - pb))
@@ -717,10 +745,10 @@ class Sampler:
     gather = np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
     source = np.arange(len(prompts)) if expand is None else expand
     gather[:len(source)] = where[source]
-    return _Plan(tokens=parts[-1][0], positions=parts[-1][1], suffix_mask=parts[-1][2],
-                 cursor=0, rows=None, keep=np.zeros((bb, width), bool), reused=0,
+    return _Plan(tokens=None, positions=None, suffix_mask=None, cursor=0, rows=None,
+                 keep=np.zeros((bb, width), bool), reused=0,
                  prefilled=int(sum(len(p) for p in prompts)), groups=tuple(parts),
-                 gather=gather)
+                 gather=gather, joined_rows=self._pad_batch(len(prompts)))
 
   def _plan(self, prompts, continue_rows, kept: _Kept | None, bb: int,
             max_new_tokens: int, keep_cache: bool = False) -> _Plan:
@@ -827,11 +855,13 @@ class Sampler:
 
     state = self._state
     if plan.groups is not None:
-      width = plan.keep.shape[1]
-      parts = tuple(self._prefill_rows(state, self._put(tokens), self._put(positions),
-                                       self._put(mask), np.int32(cursor), width=width)
-                    for tokens, positions, mask, cursor in plan.groups)
-      loop = self._join_groups(parts, self._put(plan.gather),
+      joined, offset = self._joined_init(state, rows=plan.joined_rows,
+                                         width=plan.keep.shape[1]), 0
+      for tokens, positions, mask, cursor in plan.groups:
+        joined = self._prefill_rows(state, joined, np.int32(offset), self._put(tokens),
+                                    self._put(positions), self._put(mask), np.int32(cursor))
+        offset += tokens.shape[0]
+      loop = self._join_groups(joined, self._put(plan.gather),
                                np.int32(plan.groups[0][3] + plan.groups[0][0].shape[1] - 1),
                                np.int32(n), key, knobs, mode=mode)
     else:

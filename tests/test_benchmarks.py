@@ -187,3 +187,24 @@ def test_bench_lora_times_the_critic_beside_each_setting(tmp_path, capsys):
     assert row["trained_mib"] <= row["critic_mib"] < row["trained_mib"] + 0.01
   assert adapters["critic_mib"] < full["critic_mib"] / 4
   assert "critic step s" in capsys.readouterr().out
+
+
+def test_bench_compiles_counts_each_programs_compiles():
+  """One toy iteration with the compile log on: every compile is counted under its program
+  (the cloning's apart), the sampler's settings reach the run's samplers, and a bad one is named
+  before any work."""
+  import bench_compiles  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  cache_on = jax.config.jax_enable_compilation_cache
+  out = bench_compiles.main(["--iters", "1", "--eval-rounds", "1", "--sampler",
+                             "split_min_flops=0"])
+  names = {r["program"] for r in out["programs"]}
+  assert {"jit(train_step)", "jit(_decode_impl)"} <= names, names
+  assert out["run_compiles"] == sum(r["compiles"] for r in out["programs"]) > 0
+  assert out["cloning_compiles"] > 0 and out["sampler"] == {"split_min_flops": 0}
+  assert out["run_seconds"]["rl"] > 0 and out["run_seconds"]["eval"] > 0
+  assert jax.config.jax_enable_compilation_cache == cache_on and not jax.config.jax_log_compiles
+  with pytest.raises(SystemExit):
+    bench_compiles.main(["--sampler", "split_min_flop=0"])
+  with pytest.raises(SystemExit):
+    bench_compiles.main(["--sampler", "split_min_flops"])

@@ -610,10 +610,11 @@ LENGTH_CASES = {
 
 
 def _length_pair(model, eos):
-  """The same sampler with and without length groups: prompt buckets of 8, 16 and 32 tokens."""
+  """The same sampler with and without length groups: prompt buckets of 8, 16 and 32 tokens;
+  in groups whatever FLOPs they save (the test model is tiny)."""
   kw = dict(eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=48, batch_buckets=(1, 2, 4, 8),
             prompt_buckets=(8, 16, 32))
-  return Sampler(model, **kw), Sampler(model, split_lengths=False, **kw)
+  return Sampler(model, split_min_flops=0, **kw), Sampler(model, split_lengths=False, **kw)
 
 
 @pytest.mark.parametrize("case", list(LENGTH_CASES))
@@ -641,13 +642,14 @@ def test_length_groups_are_chosen_where_they_save_padding(setup):
   model, _, _, eos, _ = setup
   grouped, _ = _length_pair(model, eos)
   prompts = LENGTH_CASES["three lengths"]
-  groups = grouped._length_groups(prompts, 8, MAX_NEW)
-  assert groups is not None and 2 <= len(groups) <= 3
+  split = grouped._length_groups(prompts, 8, MAX_NEW)
+  assert split is not None and 2 <= len(split) <= 3
+  groups = [g for g, _ in split]
   assert sorted(np.concatenate(groups).tolist()) == list(range(len(prompts)))
   longest = [max(len(prompts[i]) for i in g) for g in groups]
   assert longest == sorted(longest)
-  cost = sum(grouped._pad_batch(len(g)) * grouped._prompt_bucket(m, MAX_NEW)
-             for g, m in zip(groups, longest))
+  assert [pb for _, pb in split] == [grouped._prompt_bucket(m, MAX_NEW) for m in longest]
+  cost = sum(grouped._pad_batch(len(g)) * pb for g, pb in split)
   assert cost <= 0.85 * 8 * 32
   assert sum(grouped._pad_batch(len(g)) for g in groups) <= 8
   plan = grouped._plan(prompts, None, None, 8, MAX_NEW)
@@ -658,6 +660,15 @@ def test_length_groups_are_chosen_where_they_save_padding(setup):
     assert row[len(row) - len(p):].tolist() == p and not row[:len(row) - len(p)].any()
   # every group ends at the slot of the longest group's bucket
   assert {cursor + part.shape[1] for part, _, _, cursor in plan.groups} == {32}
+  # only when the positions saved cost split_min_flops (2 FLOPs a parameter a position)
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  saved = 8 * 32 - cost
+  for flops, grouped_too in ((2 * params * saved, True), (2 * params * saved + 1, False)):
+    kw = dict(eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=48,
+              batch_buckets=(1, 2, 4, 8), prompt_buckets=(8, 16, 32))
+    gated = Sampler(model, split_min_flops=flops, **kw)
+    assert (gated._length_groups(prompts, 8, MAX_NEW) is not None) == grouped_too
+  assert Sampler(model, **kw)._length_groups(prompts, 8, MAX_NEW) is None  # tiny: never worth it
   # equal lengths, one bucket, a kept cache, one prompt: one batch
   assert grouped._length_groups([LONG] * 4 + [LONG[1:]] * 4, 8, MAX_NEW) is None
   assert grouped._plan(prompts, None, None, 8, MAX_NEW, keep_cache=True).groups is None
@@ -684,7 +695,7 @@ def test_length_groups_on_a_mesh(setup):
   want = padded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
   sharded = Sampler(shard_model(_model(), make_mesh("4x2")), eos_token_ids=[eos],
                     pad_token_id=PAD, max_cache_len=48, batch_buckets=(4, 8),
-                    prompt_buckets=(8, 16, 32))
+                    prompt_buckets=(8, 16, 32), split_min_flops=0)
   assert sharded._plan(prompts, None, None, 8, MAX_NEW).groups is not None
   got = sharded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
   _assert_same(got, want, rtol=1e-5)  # the model axis sums in another order (as above)
