@@ -9,6 +9,8 @@ function's compiles and seconds, and the run's evaluation and RL seconds.
 
   python benchmarks/bench_compiles.py [--iters 12] [--seed 1] [--sampler split_min_flops=0]
 
+(`--sft-steps`, `--eval-rounds`: a shorter clone and measurement, for a quick run.)
+
 `--sampler FIELD=VALUE` sets a `Sampler` argument for every sampler the run builds (e.g.
 `split_min_flops=0` groups prompts by length whatever it saves, `split_lengths=False` never).
 """
@@ -70,6 +72,8 @@ def main(argv=None) -> dict:
   p.add_argument("--iters", type=int, default=12)
   p.add_argument("--seed", type=int, default=1)
   p.add_argument("--eval-rounds", type=int, default=4)
+  p.add_argument("--sft-steps", type=int, default=learning_check.Check.sft_steps,
+                 help="the clone's cloning steps (its compiles are counted apart)")
   p.add_argument("--sampler", nargs="*", default=[], metavar="FIELD=VALUE")
   args = p.parse_args(argv)
   overrides = sampler_overrides(args.sampler)
@@ -88,7 +92,8 @@ def main(argv=None) -> dict:
     init(self, *a, **{**k, **overrides})
   sampling.Sampler.__init__ = patched
   try:
-    check = learning_check.Check(iters=args.iters, eval_rounds=args.eval_rounds)
+    check = learning_check.Check(iters=args.iters, eval_rounds=args.eval_rounds,
+                                 sft_steps=args.sft_steps)
     with tempfile.TemporaryDirectory() as tmp:
       warm = learning_check.warm_start(check, os.path.join(tmp, "warm"), args.seed)
       cloning = log.table()
