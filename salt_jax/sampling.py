@@ -518,8 +518,8 @@ class Sampler:
   def _prefill_rows_impl(self, graphdef, state, joined, offset, tokens, positions, suffix_mask,
                          cursor):
     """One length group of a full prefill: its prompts (left-padded to the group's bucket P_g)
-    written at `cursor` of a fresh `width`-slot cache, so that they end at the same slot as
-    every other group's, then put at rows `offset`.. of `joined` (`_joined_init`'s buffers,
+    written at `cursor` of a fresh cache as wide as `joined`'s, so that they end at the same
+    slot as every other group's, then put at rows `offset`.. of `joined` (`_joined_init`'s buffers,
     donated), which every group fills in turn. So a group's program depends on its own shape
     and the call's, and the join's on the call's only, not on how its prompts were grouped."""
     self.num_traces += 1

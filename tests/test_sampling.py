@@ -609,11 +609,14 @@ LENGTH_CASES = {
 }
 
 
+LENGTH_SAMPLER = dict(pad_token_id=PAD, max_cache_len=48, batch_buckets=(1, 2, 4, 8),
+                      prompt_buckets=(8, 16, 32))
+
+
 def _length_pair(model, eos):
   """The same sampler with and without length groups: prompt buckets of 8, 16 and 32 tokens;
   in groups whatever FLOPs they save (the test model is tiny)."""
-  kw = dict(eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=48, batch_buckets=(1, 2, 4, 8),
-            prompt_buckets=(8, 16, 32))
+  kw = dict(eos_token_ids=[eos], **LENGTH_SAMPLER)
   return Sampler(model, split_min_flops=0, **kw), Sampler(model, split_lengths=False, **kw)
 
 
@@ -664,11 +667,10 @@ def test_length_groups_are_chosen_where_they_save_padding(setup):
   params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   saved = 8 * 32 - cost
   for flops, grouped_too in ((2 * params * saved, True), (2 * params * saved + 1, False)):
-    kw = dict(eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=48,
-              batch_buckets=(1, 2, 4, 8), prompt_buckets=(8, 16, 32))
-    gated = Sampler(model, split_min_flops=flops, **kw)
+    gated = Sampler(model, eos_token_ids=[eos], split_min_flops=flops, **LENGTH_SAMPLER)
     assert (gated._length_groups(prompts, 8, MAX_NEW) is not None) == grouped_too
-  assert Sampler(model, **kw)._length_groups(prompts, 8, MAX_NEW) is None  # tiny: never worth it
+  default = Sampler(model, eos_token_ids=[eos], **LENGTH_SAMPLER)
+  assert default._length_groups(prompts, 8, MAX_NEW) is None  # tiny: never worth it
   # equal lengths, one bucket, a kept cache, one prompt: one batch
   assert grouped._length_groups([LONG] * 4 + [LONG[1:]] * 4, 8, MAX_NEW) is None
   assert grouped._plan(prompts, None, None, 8, MAX_NEW, keep_cache=True).groups is None
