@@ -196,16 +196,20 @@ def launch(out: str, *, num_processes: int, devices: int, iters: int, init_param
 
 
 def run_demo(out: str, *, num_processes: int = 2, devices: int = 2, iters: int = 2,
-             check: bool = False, algo: str = "grpo", engine: str = "builtin") -> dict:
-  """Warm start, then the multi-process run (and with `check` the 1-process replay).
+             check: bool = False, algo: str = "grpo", engine: str = "builtin",
+             init_params: str | None = None) -> dict:
+  """Warm start (unless `init_params` names saved params of the demo's policy), then the
+  multi-process run (and with `check` the 1-process replay).
 
   Returns {"multi": [process_<i>.json contents], "single": process_0.json of the replay or None,
   "max_param_diff": max |multi - single| over all params (or None)}.
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
-  t0 = time.perf_counter()
-  init = warm_start(os.path.join(out, "warm"), engine)
-  print(f"[demo] warm start {time.perf_counter() - t0:.0f} s", flush=True)
+  init = init_params
+  if init is None:
+    t0 = time.perf_counter()
+    init = warm_start(os.path.join(out, "warm"), engine)
+    print(f"[demo] warm start {time.perf_counter() - t0:.0f} s", flush=True)
   multi_dir = os.path.join(out, "multi")
   for o in launch(multi_dir, num_processes=num_processes, devices=devices, iters=iters,
                   init_params=init, algo=algo, engine=engine):

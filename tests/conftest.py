@@ -10,7 +10,8 @@ xdist workers and the subprocesses they start share (an environment variable jax
 The process that loads this file first (pytest's, or xdist's controller) makes the folder and
 removes it at exit. jax's cache key holds the program, the devices, jax's version and XLA_FLAGS,
 so a run under another instruction set (`--xla_cpu_max_isa`) never loads these programs; a test
-that sets a cache of its own (`use_compilation_cache`) puts this one back after.
+that sets a cache of its own (`use_compilation_cache`) puts this one back after. In the same way
+the run keeps one folder for what several test files build alike (`tests/across_workers.py`).
 """
 
 import atexit
@@ -27,6 +28,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="salt_jax_tests_xla_")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+if "SALT_JAX_TESTS_SHARED" not in os.environ:
+  os.environ["SALT_JAX_TESTS_SHARED"] = _shared = tempfile.mkdtemp(prefix="salt_jax_tests_shared_")
+  atexit.register(shutil.rmtree, _shared, ignore_errors=True)
 
 
 import importlib.util  # noqa: E402

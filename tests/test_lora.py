@@ -154,7 +154,7 @@ def test_bad_lora_settings_are_refused():
 # ---------------------------------------------------------------- training with --lora-rank
 
 from tests.test_train import (  # noqa: E402  pylint: disable=wrong-import-position
-    BASE, _kill_three_times_and_resume, _untimed, warm)  # noqa: F401  (warm: a fixture)
+    BASE, _kill_three_times_and_resume, _untimed, warm_params)
 from salt_jax.models.build import build_policy, build_tokenizer  # noqa: E402
 from salt_jax.train import Trainer  # noqa: E402
 
@@ -163,6 +163,12 @@ LORA_RANK = 4
 
 def _sizes(tree):
   return sum(x.size for x in jax.tree.leaves(tree))
+
+
+@pytest.fixture(scope="module")
+def warm():
+  """test_train.py's warm start (the same params, cloned once per test run)."""
+  return warm_params()
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,12 @@ def run(tmp_path_factory):
         os.environ[k] = v
 
 
+def _init_params(run) -> str:
+  """The run's warm start: the params its processes began from."""
+  with open(os.path.join(run[0], "multi", "config.json"), encoding="utf-8") as f:
+    return json.load(f)["init_params"]
+
+
 def test_both_processes_end_with_identical_params(run):
   out, res = run
   p0, p1 = res["multi"]
@@ -113,9 +119,8 @@ def test_two_processes_resume_as_if_never_stopped(run, tmp_path):
   multi, resumed = os.path.join(out, "multi"), str(tmp_path / "resumed")
   shutil.copytree(multi, resumed)
   shutil.rmtree(os.path.join(resumed, "checkpoints", "2"))
-  with open(os.path.join(multi, "config.json"), encoding="utf-8") as f:
-    init = json.load(f)["init_params"]
-  demo.launch(resumed, num_processes=2, devices=2, iters=2, init_params=init, resume=True)
+  demo.launch(resumed, num_processes=2, devices=2, iters=2, init_params=_init_params(run),
+              resume=True)
   got = [json.load(open(os.path.join(resumed, f"process_{i}.json"), encoding="utf-8"))
          for i in range(2)]
   want = _untimed(res["multi"][0]["rows"][1])
@@ -268,10 +273,11 @@ def test_script_rejects_bad_process_flags_before_importing_jax(flags, match):
   assert p.returncode != 0 and match in p.stderr
 
 
-def test_ppo_trains_its_critic_across_two_processes(tmp_path):
-  """--algo ppo over two processes: the critic's values, GAE and both updates run on the global
-  batch, and each process ends with the same policy and critic."""
-  res = demo.run_demo(str(tmp_path), num_processes=2, devices=2, iters=2, algo="ppo")
+def test_ppo_trains_its_critic_across_two_processes(run, tmp_path):
+  """--algo ppo over two processes from the GRPO run's warm start: the critic's values, GAE and
+  both updates run on the global batch, and each process ends with the same policy and critic."""
+  res = demo.run_demo(str(tmp_path), num_processes=2, devices=2, iters=2, algo="ppo",
+                      init_params=_init_params(run))
   p0, p1 = res["multi"]
   assert p0["sha256"] == p1["sha256"]
   for row in p0["rows"]:

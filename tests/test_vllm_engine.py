@@ -266,28 +266,13 @@ def _toy_config(tmp_path, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def warm_init(tmp_path_factory):
-  """A behaviour-cloned start of the head_dim-64 tiny policy (as tests/test_train.py's), saved as
-  --init-params: outcomes differ within a group, so an update has something to learn."""
-  # pylint: disable=import-outside-toplevel
-  from envs import demos as demos_lib
-  from envs import registry
-  from envs.toy import ToyEnv
-  from salt_jax import sft
-  from salt_jax.models.build import build_policy, build_tokenizer, save_params
-  from salt_jax.sharding import make_mesh
-  from tests.test_train import ENV_KW
-
+  """The head_dim-64 tiny policy cloned as tests/test_train.py's `warm`, saved as --init-params:
+  outcomes differ within a group, so an update has something to learn."""
+  from tests import across_workers  # pylint: disable=import-outside-toplevel
+  from tests.test_train import clone_noisy_expert  # pylint: disable=import-outside-toplevel
   cfg = _toy_config(tmp_path_factory.mktemp("cfg"))
-  tok = build_tokenizer(cfg)
-  warm = build_policy(cfg, tok, make_mesh(cfg.mesh))
-  demos = demos_lib.collect_demos(ToyEnv(max_steps=cfg.max_steps, **ENV_KW),
-                                  registry.training_tasks(cfg), seeds=range(12),
-                                  max_steps=cfg.max_steps, only_won=False, epsilon=0.25)
-  batch = sft.demo_token_batch(demos, tok, pad_id=tok.pad_token_id, min_length=64)
-  sft.behaviour_clone(warm, batch, sft.SFTConfig(steps=150, rows=8, lr=1e-2))
-  path = str(tmp_path_factory.mktemp("warm") / "params")
-  save_params(path, nnx.state(warm))
-  return path
+  folder = across_workers.once("test_vllm_engine_warm", lambda f: clone_noisy_expert(f, cfg))
+  return os.path.join(folder, "params")
 
 
 def _engine_holds_the_policy(tr) -> None:
@@ -372,12 +357,14 @@ def test_a_lora_run_on_a_mesh_samples_its_merged_weights(warm_init, tmp_path):
 
 
 @needs_vllm
-def test_two_processes_each_sample_with_their_own_engine(tmp_path):
+def test_two_processes_each_sample_with_their_own_engine(warm_init, tmp_path):
   """`--distributed` with the engine (experiments/multihost_demo.py, 2 processes x 2 CPU
-  devices): each process plays its own tasks with its own engine, both train the same params,
-  and after the update each engine holds that process's copy of them."""
+  devices, from this file's warm start): each process plays its own tasks with its own engine,
+  both train the same params, and after the update each engine holds that process's copy of
+  them."""
   from tests.test_multihost import demo  # pylint: disable=import-outside-toplevel
-  res = demo.run_demo(str(tmp_path), num_processes=2, devices=2, iters=1, engine="vllm")
+  res = demo.run_demo(str(tmp_path), num_processes=2, devices=2, iters=1, engine="vllm",
+                      init_params=warm_init)
   p0, p1 = res["multi"]
   assert p0["sha256"] == p1["sha256"]
   assert not set(sum(p0["local_tasks"], [])) & set(sum(p1["local_tasks"], []))
