@@ -10,9 +10,11 @@ tokenizer. Every `TrainConfig` field is a flag (`salt_jax.cli`); see --help.
 
 import sys
 
-from salt_jax.cli import CPU_SIZED, main
+from salt_jax import configs
+from salt_jax.cli import main
 
-CPU_DEFAULTS = dict(CPU_SIZED, env="textworld", max_steps=8, num_train_tasks=16)
+# The CPU-sized run (salt_jax/configs/textworld-cpu.toml says why each value).
+CPU_DEFAULTS = configs.values("textworld-cpu")
 
 if __name__ == "__main__":
   sys.exit(main(defaults=CPU_DEFAULTS, runs_root="runs/textworld_grpo_salt",

@@ -1,16 +1,18 @@
-"""The command line of a training run: one flag per `TrainConfig` field, generated from its sections.
+"""The command line of a training run: a flag per `TrainConfig` field, generated from its sections.
 
   python experiments/alfworld_grpo_salt.py --mesh=4x2 --group-size 8 --no-salt
   python experiments/alfworld_grpo_salt.py --recipe verl-agent --model ~/Qwen2.5-1.5B-Instruct
+  python experiments/alfworld_grpo_salt.py --config gigpo --config mine.toml --lr 3e-6
   python experiments/alfworld_grpo_salt.py --config runs/x/config.json --out runs/y   # re-run
   salt-jax-train --env toy --tokenizer toy --iters 5                  # the console entry point
 
 A field `foo_bar` is the flag `--foo-bar`; booleans come as `--salt` / `--no-salt`; dicts as JSON
 (`--env-kwargs '{"num_rooms": 3}'`); tuples comma-separated (`--eval-splits a,b`); `none` sets an
 optional field to None. A value comes from, later winning: the field's default, the script's
-defaults, `--recipe` (`salt_jax.recipes`), `--config` (a JSON file as a run writes to
-`<out>/config.json`), then the flags given. Without `--out` a run gets a new timestamped folder
-under the script's runs folder (with `--resume`, the newest one there).
+defaults (its config file, e.g. `salt_jax/configs/alfworld-cpu.toml`), `--recipe`
+(`salt_jax.recipes`), each `--config` in order (a shipped config's name, a TOML file, or a run's
+`<out>/config.json`: `salt_jax.configs`), then the flags given. Without `--out` a run gets a new
+timestamped folder under the script's runs folder (with `--resume`, the newest one there).
 
 Besides the config: `--log-level`; `--sft-warmstart` (with `--sft-steps`, `--sft-demos`,
 `--sft-reasoning`), which behaviour-clones the environment's expert into the policy before RL
@@ -37,6 +39,7 @@ import time
 import typing
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from salt_jax import configs
 from salt_jax.agent.reasoning import REASONERS
 from salt_jax.config import RENAMED_FIELDS, SECTIONS, TrainConfig
 from salt_jax.recipes import RECIPES
@@ -46,14 +49,13 @@ from salt_jax.recipes import RECIPES
 EVAL_SUMMARY_FILE = "eval_summary.json"
 EVAL_ONLY_FILE = "eval_only.json"
 
-# Flags that are not config fields, and their defaults (a script may override them).
+# Flags that are not config fields (`configs.SCRIPT_KEYS`), and their defaults (a script's
+# config file may set them).
 SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32, sft_reasoning="none")
 
-# The experiment scripts' defaults: a run that shows each phase on a 2-core CPU in minutes (the
-# paper's values are the verl-agent recipe's, `--recipe verl-agent`).
-CPU_SIZED = dict(group_size=4, tasks_per_iter=2, iters=3, max_new_tokens=32, max_cache_len=4096,
-                 lr=1e-5, env_workers=1, minibatch_rows=4, num_eval_tasks=4, sft_demos=16,
-                 sft_steps=100)
+# The experiment scripts' common CPU sizes (salt_jax/configs/cpu.toml), each script's own file
+# extends.
+CPU_SIZED = configs.values("cpu")
 
 
 def _field_type(section: type, name: str) -> tuple[Any, bool]:
@@ -95,8 +97,11 @@ def parser(defaults: Mapping[str, Any] = (), description: str = "salt-jax traini
   defaults = dict(defaults)
   p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
   g = p.add_argument_group("run setup")
-  g.add_argument("--config", help="a JSON config (a run's config.json): its values replace the "
-                 "defaults and the recipe's; flags given win")
+  g.add_argument("--config", action="append",
+                 help="a config file: a shipped one's name "
+                 f"({', '.join(configs.shipped())}), a .toml file, or a run's config.json; "
+                 "its values replace the defaults and the recipe's. Repeat it to apply several "
+                 "in order; flags given win")
   g.add_argument("--recipe", help=f"a named setting from salt_jax.recipes: "
                  f"{', '.join(sorted(RECIPES))} (flags given win)")
   g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
@@ -148,8 +153,9 @@ def output_dir(out: Optional[str], resume: bool, root: str) -> str:
   return os.path.join(root, time.strftime("%Y%m%d-%H%M%S"))
 
 
-# Flags that choose the policy: with none of them given, a script's `default_policy` applies.
-POLICY_FLAGS = ("model", "init_params", "tokenizer", "tiny_policy", "config")
+# Flags that choose the policy: with none of them given (nor set by a --config file), a script's
+# `default_policy` applies.
+POLICY_FLAGS = ("model", "init_params", "tokenizer", "tiny_policy")
 
 
 def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any] = (), *,
@@ -162,7 +168,9 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
   `default_policy`: returns the values that play the script's own policy (its `model` folder and
   what it was trained with: tasks, prompts, lengths), used only when no flag in `POLICY_FLAGS`
   is given.
-  Precedence: field default < `defaults` < `default_policy` < --recipe < --config < flags.
+  Precedence: field default < `defaults` < `default_policy` < --recipe < each --config in
+  order < flags. A config file that sets a policy field counts as a policy flag (a run's
+  config.json sets them all).
   Validation of the values themselves is the config's (`TrainConfig.validate`), done by `main`
   before any work.
   """
@@ -171,22 +179,26 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
   given = vars(args)
   names = {f.name for f in dataclasses.fields(TrainConfig)}
   values = {k: v for k, v in defaults.items() if k in names}
-  if default_policy is not None and not any(k in given for k in POLICY_FLAGS):
+  from_files, script = {}, {}
+  for name in given.get("config", []):
+    try:
+      more, more_script = configs.load([name])
+    except ValueError as e:
+      raise SystemExit(f"error: --config {name}: {e}") from None
+    from_files.update(more)
+    script.update(more_script)
+  if default_policy is not None and not any(k in given or k in from_files for k in POLICY_FLAGS):
     values.update(default_policy())
   if "recipe" in given:
     if given["recipe"] not in RECIPES:
       raise SystemExit(f"error: unknown --recipe {given['recipe']!r}; known: {sorted(RECIPES)}")
     values.update(RECIPES[given["recipe"]])
-  if "config" in given:
-    try:
-      values.update(dataclasses.asdict(TrainConfig.load(given["config"])))
-    except (OSError, ValueError) as e:
-      raise SystemExit(f"error: --config {given['config']}: {e}") from None
+  values.update(from_files)
   values.update({k: v for k, v in given.items() if k in names})
   values["distributed"] = values.get("distributed", False) or any(
       values.get(k) is not None for k in ("coordinator", "num_processes", "process_id"))
   for name, default in SCRIPT_DEFAULTS.items():
-    given.setdefault(name, defaults.get(name, default))
+    given.setdefault(name, script.get(name, defaults.get(name, default)))
   given.setdefault("sft_warmstart", False)
   given.setdefault("eval_only", False)
   for name in ("sft_steps", "sft_demos"):
@@ -197,7 +209,7 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
                      "sft_warmstart.py first and pass its params with --init-params")
   if values["distributed"] and "out" not in given:
     raise SystemExit("error: with several processes pass the same --out to each")
-  if "out" not in given and "config" not in given:
+  if "out" not in given and "out" not in from_files:
     values["out"] = output_dir(None, values.get("resume", False), runs_root)
   return TrainConfig(**values), args
 

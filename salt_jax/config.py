@@ -27,8 +27,6 @@ import math
 import os
 from typing import Optional, Sequence
 
-from salt_jax.recipes import RECIPES
-
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
 LAYOUTS = ("trajectory", "step")
@@ -506,6 +504,8 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
   @classmethod
   def from_recipe(cls, name: str, **overrides) -> "TrainConfig":
     """The config of `salt_jax.recipes.RECIPES[name]`, with `overrides` on top."""
+    from salt_jax.recipes import RECIPES  # pylint: disable=import-outside-toplevel  (it reads
+    # its files through this module)
     if name not in RECIPES:
       raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
     return cls(**{**RECIPES[name], **overrides})

@@ -163,7 +163,7 @@ def test_recipe_values_and_overrides():
           cfg.group_stats) == (2, "step", 10.0, "step", "format", "steps")
   assert (cfg.group_size, cfg.salt_history, cfg.max_steps, cfg.tasks_per_iter) == (8, 3, 50, 16)
   assert cfg.lr == 3e-6
-  assert set(recipes.VERL_AGENT) <= {f.name for f in dataclasses.fields(TrainConfig)}
+  assert set(recipes.RECIPES["verl-agent"]) <= {f.name for f in dataclasses.fields(TrainConfig)}
   with pytest.raises(ValueError, match="unknown recipe"):
     TrainConfig.from_recipe("paper")
 

@@ -1,0 +1,111 @@
+"""Config files: settings a run names, applied in order, each a table of `TrainConfig` fields.
+
+  python experiments/alfworld_grpo_salt.py --config verl-agent --model ~/Qwen2.5-1.5B-Instruct
+  python experiments/alfworld_grpo_salt.py --config gigpo --config mine.toml --lr 3e-6
+  python experiments/alfworld_grpo_salt.py --config runs/x/config.json --out runs/y  # re-run
+
+A name without a folder or a dot is a file shipped in this folder (`<name>.toml`): the recipes
+(`verl-agent`, `verl-agent-webshop`, `gigpo`, `gigpo-webshop`, `ppo`: published settings, each
+value with its source) and the experiment scripts' CPU defaults (`cpu`, `alfworld-cpu`, ...).
+Anything else is a path to a `.toml` file, or to a run's `<out>/config.json`.
+
+A TOML file holds the fields it changes, field = value, and may start from other files:
+`extends = ["name or path", ...]`, applied first, in order (a path relative to the file's
+folder). Besides fields it may set the scripts' own settings (`SCRIPT_KEYS`). TOML has no null:
+leave a field out to keep its default, or set an optional field to none with its flag
+(`--clip-eps-high none`). A JSON file is a whole config, as a run saves it
+(`TrainConfig.to_json`): every field, those it lacks at their defaults, so it runs its run
+again. Fields renamed since a file was written are read under their new names.
+
+This module imports no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from typing import Any, Iterable
+
+FOLDER = os.path.dirname(os.path.abspath(__file__))
+SUFFIXES = (".toml", ".json")
+# The experiment scripts' settings that are not config fields (`salt_jax.cli`'s --sft-* flags).
+SCRIPT_KEYS = ("sft_steps", "sft_demos", "sft_reasoning")
+
+
+def shipped() -> list[str]:
+  """The names of the config files shipped here."""
+  return sorted(f[:-len(".toml")] for f in os.listdir(FOLDER) if f.endswith(".toml"))
+
+
+def path_of(name: str, relative_to: str = "") -> str:
+  """The file a name stands for: a shipped config's, else `name` as a path (relative to the
+  folder `relative_to` when given and `name` is relative). ValueError for an unknown name."""
+  if os.sep not in name and "/" not in name and "." not in name:
+    if name not in shipped():
+      raise ValueError(f"no config named {name!r}; shipped: {', '.join(shipped())} (or give a "
+                       ".toml or .json path)")
+    return os.path.join(FOLDER, name + ".toml")
+  if not name.endswith(SUFFIXES):
+    raise ValueError(f"a config file is .toml or .json, not {name!r}")
+  return os.path.join(relative_to, name) if relative_to else name
+
+
+def _read(path: str) -> dict:
+  try:
+    with open(path, "rb") as f:
+      data = tomllib.load(f) if path.endswith(".toml") else json.load(f)
+  except OSError as e:
+    raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+  except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid {path.rsplit('.', 1)[-1].upper()}: {e}") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} holds {type(data).__name__}, not a table of fields")
+  return data
+
+
+def load(names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(config fields, script settings) of the files `names`, later values winning; lists become
+  tuples (as `TrainConfig.from_json` reads them). ValueError naming the file for an unknown
+  name, an unreadable file, an unknown key or a cycle of `extends`."""
+  # pylint: disable=import-outside-toplevel  (config imports salt_jax.recipes, which loads these)
+  from salt_jax.config import TrainConfig, with_current_names
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  values, script = {}, {}
+
+  def apply(name: str, relative_to: str, chain: tuple[str, ...]) -> None:
+    path = os.path.abspath(path_of(name, relative_to))
+    if path in chain:
+      raise ValueError(f"config files extend each other in a cycle: "
+                       f"{' -> '.join(chain + (path,))}")
+    data = _read(path)
+    if path.endswith(".json"):
+      try:
+        values.update(dataclasses.asdict(TrainConfig.from_json(data)))
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+      return
+    bases = data.pop("extends", [])
+    if isinstance(bases, str):
+      bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+      raise ValueError(f"{path}: extends is a list of config names or paths, got {bases!r}")
+    for base in bases:
+      apply(base, os.path.dirname(path), chain + (path,))
+    data = with_current_names(data)
+    unknown = sorted(set(data) - fields - set(SCRIPT_KEYS))
+    if unknown:
+      raise ValueError(f"{path}: unknown config fields: {', '.join(unknown)}")
+    for k, v in data.items():
+      (script if k in SCRIPT_KEYS else values)[k] = tuple(v) if isinstance(v, list) else v
+
+  for name in names:
+    apply(name, "", ())
+  return values, script
+
+
+def values(*names: str) -> dict[str, Any]:
+  """The fields and script settings of the files `names` in one dict (a script's `defaults`)."""
+  fields, script = load(names)
+  return {**fields, **script}
