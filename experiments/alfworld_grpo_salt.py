@@ -18,11 +18,11 @@ a flag (`salt_jax.cli`); see --help.
 import sys
 
 from envs.alfworld import starter_defaults
-from salt_jax import configs
 from salt_jax.cli import main
+from salt_jax.config import script_defaults
 
 # The CPU-sized run (salt_jax/configs/alfworld-cpu.toml says why each value).
-CPU_DEFAULTS = configs.values("alfworld-cpu")
+CPU_DEFAULTS = script_defaults("alfworld-cpu")
 
 if __name__ == "__main__":
   sys.exit(main(defaults=CPU_DEFAULTS, default_policy=starter_defaults,

@@ -10,11 +10,11 @@ tokenizer. Every `TrainConfig` field is a flag (`salt_jax.cli`); see --help.
 
 import sys
 
-from salt_jax import configs
 from salt_jax.cli import main
+from salt_jax.config import script_defaults
 
 # The CPU-sized run (salt_jax/configs/textworld-cpu.toml says why each value).
-CPU_DEFAULTS = configs.values("textworld-cpu")
+CPU_DEFAULTS = script_defaults("textworld-cpu")
 
 if __name__ == "__main__":
   sys.exit(main(defaults=CPU_DEFAULTS, runs_root="runs/textworld_grpo_salt",

@@ -41,7 +41,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from salt_jax import configs
 from salt_jax.agent.reasoning import REASONERS
-from salt_jax.config import RENAMED_FIELDS, SECTIONS, TrainConfig
+from salt_jax.config import (RENAMED_FIELDS, SECTIONS, TrainConfig, read_config_files,
+                             script_defaults)
 from salt_jax.recipes import RECIPES
 
 # A run's evaluation by the paper's protocol (`metrics.eval_summary`), written by `report`; and
@@ -55,7 +56,7 @@ SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32, sft_reasoning="none")
 
 # The experiment scripts' common CPU sizes (salt_jax/configs/cpu.toml), each script's own file
 # extends.
-CPU_SIZED = configs.values("cpu")
+CPU_SIZED = script_defaults("cpu")
 
 
 def _field_type(section: type, name: str) -> tuple[Any, bool]:
@@ -182,7 +183,7 @@ def config_from(argv: Optional[Sequence[str]] = None, defaults: Mapping[str, Any
   from_files, script = {}, {}
   for name in given.get("config", []):
     try:
-      more, more_script = configs.load([name])
+      more, more_script = read_config_files([name])
     except ValueError as e:
       raise SystemExit(f"error: --config {name}: {e}") from None
     from_files.update(more)

@@ -25,7 +25,9 @@ import dataclasses
 import json
 import math
 import os
-from typing import Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+from salt_jax import configs
 
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("constant", "cosine")
@@ -504,11 +506,39 @@ class TrainConfig(RunConfig, UpdateConfig, AlgorithmConfig, RolloutConfig, Polic
   @classmethod
   def from_recipe(cls, name: str, **overrides) -> "TrainConfig":
     """The config of `salt_jax.recipes.RECIPES[name]`, with `overrides` on top."""
-    from salt_jax.recipes import RECIPES  # pylint: disable=import-outside-toplevel  (it reads
-    # its files through this module)
-    if name not in RECIPES:
-      raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
-    return cls(**{**RECIPES[name], **overrides})
+    if name not in configs.RECIPE_NAMES:
+      raise ValueError(f"unknown recipe {name!r}; known: {sorted(configs.RECIPE_NAMES)}")
+    return cls(**{**read_config_files([name])[0], **overrides})
+
+
+def read_config_files(names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(config fields, script settings) of the config files `names` (`salt_jax.configs`), later
+  values winning: a TOML file's keys (renamed fields under their new names, lists as tuples), a
+  JSON file's whole config (`TrainConfig.from_json`). ValueError naming the file for an unknown
+  key, or for what `configs.read` refuses."""
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  values, script = {}, {}
+  for path, data in configs.read(names):
+    if path.endswith(".json"):
+      try:
+        values.update(dataclasses.asdict(TrainConfig.from_json(data)))
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+      continue
+    data = with_current_names(data)
+    unknown = sorted(set(data) - fields - set(configs.SCRIPT_KEYS))
+    if unknown:
+      raise ValueError(f"{path}: unknown config fields: {', '.join(unknown)}")
+    for k, v in data.items():
+      (script if k in configs.SCRIPT_KEYS else values)[k] = tuple(v) if isinstance(v, list) else v
+  return values, script
+
+
+def script_defaults(*names: str) -> dict[str, Any]:
+  """The fields and script settings of the config files `names` in one dict: an experiment
+  script's `defaults` (`salt_jax.cli.main`)."""
+  fields, script = read_config_files(names)
+  return {**fields, **script}
 
 
 def section_of(name: str) -> type:

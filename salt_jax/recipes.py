@@ -16,8 +16,8 @@ folder. Apply one with `TrainConfig.from_recipe(name, **overrides)`, or on the c
 
 from __future__ import annotations
 
-from salt_jax import configs
+from salt_jax.config import read_config_files
+from salt_jax.configs import RECIPE_NAMES as NAMES
 
-NAMES = ("verl-agent", "verl-agent-webshop", "gigpo", "gigpo-webshop", "ppo")
 # name -> its TrainConfig fields
-RECIPES = {name: configs.load([name])[0] for name in NAMES}
+RECIPES = {name: read_config_files([name])[0] for name in NAMES}

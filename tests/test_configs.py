@@ -1,4 +1,5 @@
-"""salt_jax.configs: config files a run names, applied in order, and the command line's --config."""
+"""Config files a run names, applied in order (salt_jax.configs, config.read_config_files), and
+the command line's --config."""
 
 import dataclasses
 import json
@@ -7,7 +8,7 @@ import os
 import pytest
 
 from salt_jax import cli, configs
-from salt_jax.config import TrainConfig
+from salt_jax.config import TrainConfig, read_config_files, script_defaults
 from salt_jax.recipes import NAMES, RECIPES
 
 FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -16,34 +17,34 @@ FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 def test_every_shipped_file_loads_into_a_valid_config():
   assert set(NAMES) <= set(configs.shipped()) and {"cpu", "alfworld-cpu"} <= set(configs.shipped())
   for name in configs.shipped():
-    fields, script = configs.load([name])
+    fields, script = read_config_files([name])
     assert fields and set(fields) <= FIELDS and set(script) <= set(configs.SCRIPT_KEYS), name
     TrainConfig(**fields)  # every value a field takes
   for name in NAMES:  # a recipe is its file's fields; the ALFWorld ones validate as they are
-    assert RECIPES[name] == configs.load([name])[0]
+    assert RECIPES[name] == read_config_files([name])[0]
   TrainConfig.from_recipe("verl-agent").validate()
 
 
 def test_extends_apply_first_and_later_files_win(tmp_path):
-  cpu, _ = configs.load(["cpu"])
-  alf, script = configs.load(["alfworld-cpu"])
+  cpu, _ = read_config_files(["cpu"])
+  alf, script = read_config_files(["alfworld-cpu"])
   assert {k: v for k, v in alf.items() if k not in cpu} and alf["lr"] == 3e-4 != cpu["lr"]
   assert all(alf[k] == v for k, v in cpu.items() if k not in ("group_size", "tasks_per_iter",
                                                                "iters", "lr", "env_workers",
                                                                "minibatch_rows"))
   assert script == {"sft_demos": 16, "sft_steps": 100}
-  assert configs.values("alfworld-cpu") == {**alf, **script}
+  assert script_defaults("alfworld-cpu") == {**alf, **script}
   # A file of one's own: a relative extends, a renamed field, a list read as a tuple.
   (tmp_path / "sub").mkdir()
   (tmp_path / "sub" / "base.toml").write_text('extends = "gigpo"\nhistory = 5\nlr = 2e-6\n')
   (tmp_path / "mine.toml").write_text(
       'extends = ["sub/base.toml"]\nlr = 3e-6\neval_splits = ["valid_seen"]\n'
       'env_kwargs = {num_rooms = 2}\nsft_reasoning = "templated"\n')
-  fields, script = configs.load(["verl-agent", str(tmp_path / "mine.toml")])
+  fields, script = read_config_files(["verl-agent", str(tmp_path / "mine.toml")])
   assert fields == {**RECIPES["gigpo"], "salt_history": 5, "lr": 3e-6,
                     "eval_splits": ("valid_seen",), "env_kwargs": {"num_rooms": 2}}
   assert script == {"sft_reasoning": "templated"}
-  assert configs.load(["ppo", "verl-agent"])[0] == RECIPES["verl-agent"] | {
+  assert read_config_files(["ppo", "verl-agent"])[0] == RECIPES["verl-agent"] | {
       k: v for k, v in RECIPES["ppo"].items() if k not in RECIPES["verl-agent"]}
 
 
@@ -54,7 +55,7 @@ def test_a_runs_config_json_is_a_whole_config(tmp_path):
   del data["group_size"]  # a field the run's version did not have: its default
   path = tmp_path / "config.json"
   path.write_text(json.dumps(data))
-  fields, _ = configs.load(["verl-agent", str(path)])
+  fields, _ = read_config_files(["verl-agent", str(path)])
   assert TrainConfig(**fields) == saved
 
 
@@ -78,10 +79,10 @@ def test_bad_files_are_refused_naming_the_file(tmp_path, write, name, match):
       f.write(write)
   if match is None:
     with pytest.raises(ValueError, match="max_steps"):
-      TrainConfig(**configs.load([path])[0]).validate()
+      TrainConfig(**read_config_files([path])[0]).validate()
     return
   with pytest.raises(ValueError, match=match):
-    configs.load([path])
+    read_config_files([path])
   with pytest.raises(SystemExit, match=f"--config {path}: "):
     cli.config_from(["--config", path, "--out", "x"])
 

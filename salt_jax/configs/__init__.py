@@ -17,12 +17,12 @@ leave a field out to keep its default, or set an optional field to none with its
 (`TrainConfig.to_json`): every field, those it lacks at their defaults, so it runs its run
 again. Fields renamed since a file was written are read under their new names.
 
-This module imports no jax.
+This module reads the files; `salt_jax.config.read_config_files` turns them into fields (and
+`script_defaults` into a script's defaults). It imports no jax.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tomllib
@@ -32,6 +32,8 @@ FOLDER = os.path.dirname(os.path.abspath(__file__))
 SUFFIXES = (".toml", ".json")
 # The experiment scripts' settings that are not config fields (`salt_jax.cli`'s --sft-* flags).
 SCRIPT_KEYS = ("sft_steps", "sft_demos", "sft_reasoning")
+# The shipped files that reproduce a published setting (`salt_jax.recipes`).
+RECIPE_NAMES = ("verl-agent", "verl-agent-webshop", "gigpo", "gigpo-webshop", "ppo")
 
 
 def shipped() -> list[str]:
@@ -65,47 +67,29 @@ def _read(path: str) -> dict:
   return data
 
 
-def load(names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """(config fields, script settings) of the files `names`, later values winning; lists become
-  tuples (as `TrainConfig.from_json` reads them). ValueError naming the file for an unknown
-  name, an unreadable file, an unknown key or a cycle of `extends`."""
-  # pylint: disable=import-outside-toplevel  (config imports salt_jax.recipes, which loads these)
-  from salt_jax.config import TrainConfig, with_current_names
-  fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  values, script = {}, {}
+def read(names: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
+  """The files `names` stand for, each after the files it extends: (path, its table without
+  `extends`), in the order they apply. ValueError naming the file for an unknown name, an
+  unreadable file, a bad `extends` or a cycle of them. What the keys mean is
+  `salt_jax.config.read_config_files`'s to check."""
+  out = []
 
-  def apply(name: str, relative_to: str, chain: tuple[str, ...]) -> None:
+  def visit(name: str, relative_to: str, chain: tuple[str, ...]) -> None:
     path = os.path.abspath(path_of(name, relative_to))
     if path in chain:
       raise ValueError(f"config files extend each other in a cycle: "
                        f"{' -> '.join(chain + (path,))}")
     data = _read(path)
-    if path.endswith(".json"):
-      try:
-        values.update(dataclasses.asdict(TrainConfig.from_json(data)))
-      except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
-      return
-    bases = data.pop("extends", [])
-    if isinstance(bases, str):
-      bases = [bases]
-    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
-      raise ValueError(f"{path}: extends is a list of config names or paths, got {bases!r}")
-    for base in bases:
-      apply(base, os.path.dirname(path), chain + (path,))
-    data = with_current_names(data)
-    unknown = sorted(set(data) - fields - set(SCRIPT_KEYS))
-    if unknown:
-      raise ValueError(f"{path}: unknown config fields: {', '.join(unknown)}")
-    for k, v in data.items():
-      (script if k in SCRIPT_KEYS else values)[k] = tuple(v) if isinstance(v, list) else v
+    if path.endswith(".toml"):
+      bases = data.pop("extends", [])
+      if isinstance(bases, str):
+        bases = [bases]
+      if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ValueError(f"{path}: extends is a list of config names or paths, got {bases!r}")
+      for base in bases:
+        visit(base, os.path.dirname(path), chain + (path,))
+    out.append((path, data))
 
   for name in names:
-    apply(name, "", ())
-  return values, script
-
-
-def values(*names: str) -> dict[str, Any]:
-  """The fields and script settings of the files `names` in one dict (a script's `defaults`)."""
-  fields, script = load(names)
-  return {**fields, **script}
+    visit(name, "", ())
+  return out
