@@ -50,9 +50,8 @@ from salt_jax.recipes import RECIPES
 EVAL_SUMMARY_FILE = "eval_summary.json"
 EVAL_ONLY_FILE = "eval_only.json"
 
-# Flags that are not config fields (`configs.SCRIPT_KEYS`), and their defaults (a script's
-# config file may set them).
-SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32, sft_reasoning="none")
+# Flags that are not config fields, and their defaults (a script's config file may set them).
+SCRIPT_DEFAULTS = configs.SCRIPT_DEFAULTS
 
 # The experiment scripts' common CPU sizes (salt_jax/configs/cpu.toml), each script's own file
 # extends.

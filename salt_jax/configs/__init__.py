@@ -30,8 +30,10 @@ from typing import Any, Iterable
 
 FOLDER = os.path.dirname(os.path.abspath(__file__))
 SUFFIXES = (".toml", ".json")
-# The experiment scripts' settings that are not config fields (`salt_jax.cli`'s --sft-* flags).
-SCRIPT_KEYS = ("sft_steps", "sft_demos", "sft_reasoning")
+# The experiment scripts' settings that are not config fields (`salt_jax.cli`'s --sft-* flags),
+# and their defaults.
+SCRIPT_DEFAULTS = dict(sft_steps=200, sft_demos=32, sft_reasoning="none")
+SCRIPT_KEYS = tuple(SCRIPT_DEFAULTS)
 # The shipped files that reproduce a published setting (`salt_jax.recipes`).
 RECIPE_NAMES = ("verl-agent", "verl-agent-webshop", "gigpo", "gigpo-webshop", "ppo")
 
