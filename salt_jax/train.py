@@ -1,21 +1,22 @@
 """The training iteration: rollout -> batch -> step advantages -> update -> log -> save.
 
-`Trainer.iteration()` reads top to bottom (each phase timed, as in the paper's cost breakdown):
+`Trainer` is the host loop around one `state.TrainState`; `Trainer.iteration()` reads top to
+bottom (each phase timed, as in the paper's cost breakdown), the phases after the rollout being
+functions of what they read (`salt_jax.phases`, `state.update`):
 
   rollout      `rollout.collect`: G trajectories for each of `tasks_per_iter` tasks, one row per
                step. Failed (crashed) trajectories are counted and dropped.
   salt         (SALT on) `build_merge_ids` on the host: each step's merged-edge id.
   values       (algo ppo) the critic's value of every token (`salt_jax.critic`).
-  advantage    `update.step_advantages`, one jitted program: the group estimator
-               (`advantages.ESTIMATORS[algo]`) over the step rows' rewards against their group's
-               statistics (or GAE over the critic's values, per token), then SALT's `refine`
-               over the merged edges.
+  advantage    `phases.step_advantages`, one jitted program (`update.step_advantages`): the
+               group estimator (`advantages.ESTIMATORS[algo]`) over the step rows' rewards
+               against their group's statistics (or GAE over the critic's values, per token),
+               then SALT's `refine` over the merged edges.
   old_logprob  from the sampler (`policy_logprobs`), or recomputed with the current params.
   ref_logprob  log-probs under the frozen initial policy (the KL reference).
-  update       PPO-clip (+ KL to the reference) over shuffled mini-batches
-               (`update.update_programs`),
-               AdamW with global-norm clipping; with a critic, its clipped value loss on each
-               mini-batch first (`critic.critic_programs`), both through `state.update_step`. A
+  update       `state.update`: PPO-clip (+ KL to the reference) over shuffled mini-batches
+               (`update.update_programs`), AdamW with global-norm clipping; with a critic, its
+               clipped value loss on each mini-batch first (`critic.critic_programs`). A
                mini-batch whose loss or gradient is not finite is skipped and counted. When every
                step advantage is 0 there is nothing to learn: the log-prob and update phases are
                skipped (`num_updates` 0).
@@ -63,39 +64,21 @@ from salt_jax import batching
 from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
 from salt_jax import log as log_lib
-from salt_jax.log import progress_bar
 from salt_jax import multihost
+from salt_jax import phases
 from salt_jax import runlock
-from salt_jax.advantages import ESTIMATORS, count_invalid_rewards
+from salt_jax import state as state_lib
+from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, env_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
-from salt_jax.critic import critic_optimizer, critic_programs, init_critic
-from salt_jax.graph import (build_merge_ids, cross_prompt_merges, gradient_changing_merges,
-                            sample_ids)
-from salt_jax.loss import rollout_is_weights
 from salt_jax.models import lora
 from salt_jax.models.build import build_policy, build_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import length_buckets
-from salt_jax.state import TrainState, UpdatePrograms, update_step
-from salt_jax.sharding import (DATA_AXIS, batch_sharding, make_mesh, on_mesh, parse_mesh_shape,
-                               replicated)
-from salt_jax.update import (estimator_options, lr_schedule, microbatch_programs, optimizer,
-                             step_advantages_program, update_programs)
+from salt_jax.sharding import DATA_AXIS, make_mesh, parse_mesh_shape
+from salt_jax.state import TrainState
 
 logger = logging.getLogger(__name__)
-
-# The critic's update metrics (algo ppo), NaN in an iteration that took no critic step.
-CRITIC_METRICS = ("value_loss", "value_clip_fraction", "value_mean", "critic_grad_norm")
-
-# What the log-prob program reads of a mini-batch.
-_LOGPROB_FIELDS = ("input_ids", "targets", "attention_mask", "positions", "logit_positions")
-
-# SALT's metrics in an iteration without merges (SALT off, or no step to merge).
-NO_MERGE_METRICS = dict(merge_rate=float("nan"), cross_prompt_merges=0, gradient_changing_merges=0,
-                        merged_steps=0, gradient_changing_share=float("nan"),
-                        response_differing_merges=0)
-
 
 class TaskSampler:
   """Training tasks in a seeded random order, reshuffled each epoch; its state is two ints."""
@@ -174,22 +157,6 @@ def rollout_metrics(full, batch) -> dict:
     m[f"success_rate/{tt}"] = v
   m["invalid_rewards"] = int(count_invalid_rewards(batch.outcome_rewards))
   return m
-
-
-def merge_metrics(batch, merge, before: np.ndarray) -> dict:
-  """SALT's merges and where they change the policy gradient: edges whose members are different
-  (prompt, response) samples with different advantages (the same tokens share one gradient
-  term); `response_differing_merges`: steps whose merged edge holds more than one response (what
-  reasoning text makes common)."""
-  merged = int(np.sum(np.bincount(merge.ids)[merge.ids] > 1))
-  changing = gradient_changing_merges(merge.ids, sample_ids(batch.prompt_ids, batch.response_ids),
-                                      before)
-  return {"merge_rate": merge.merge_rate,
-          "cross_prompt_merges": cross_prompt_merges(merge.ids, sample_ids(batch.prompt_ids)),
-          "merged_steps": merged, "gradient_changing_merges": changing,
-          "response_differing_merges": cross_prompt_merges(merge.ids,
-                                                           sample_ids(batch.response_ids)),
-          "gradient_changing_share": changing / merged if merged else float("nan")}
 
 
 def sampled_success(trainer: "Trainer", rounds: int, first_seed: int,
@@ -274,8 +241,49 @@ class _PhaseTimes(dict):
 # ----------------------------------------------------------------------------- the trainer
 
 
+def _lock_run_folder(folder: str, num_processes: int,
+                     process_index: int) -> Optional[runlock.RunLock]:
+  """Process 0's lock on the run folder (None on the others); with several processes all of them
+  learn whether process 0 got it, so all stop together when it did not."""
+  lock, refused = None, None
+  if process_index == 0:
+    try:
+      lock = runlock.RunLock(folder).acquire()
+    except (runlock.RunInUse, OSError) as e:
+      if num_processes == 1:
+        raise
+      refused = e
+  if num_processes > 1:
+    said = multihost.allgather_objects(None if refused is None else str(refused))[0]
+    if refused is not None:
+      raise refused
+    if said is not None:
+      raise runlock.RunInUse(f"process 0 could not lock the run folder: {said}")
+  return lock
+
+
+def _rollout_engine(cfg: TrainConfig, model, tokenizer, mesh, pad_id: int):
+  """The run's rollout engine over `model` (`config.rollout_engine`): the built-in `Sampler`,
+  or vLLM's engine (given the params by `Trainer._sync_sampler`)."""
+  # pylint: disable=import-outside-toplevel
+  if cfg.rollout_engine == "vllm":
+    from salt_jax.engines.vllm_engine import VLLMEngine
+    logger.info("setup: starting the vllm rollout engine (about a minute)")
+    return VLLMEngine.from_model(
+        model, tokenizer,
+        model_path=cfg.model if cfg.model is not None and os.path.isdir(cfg.model) else None,
+        eos_token_ids=stop_token_ids(tokenizer), max_model_len=cfg.max_cache_len,
+        dtype=cfg.compute_dtype or cfg.param_dtype, kv_cache_gib=cfg.vllm_kv_cache_gib,
+        seed=cfg.seed)
+  from salt_jax.sampling import Sampler
+  return Sampler(model, eos_token_ids=stop_token_ids(tokenizer), pad_token_id=pad_id,
+                 max_cache_len=cfg.max_cache_len, mesh=mesh, prompt_buckets=length_buckets(
+                     cfg.prompt_bucket_min, cfg.max_cache_len, cfg.prompt_buckets_per_doubling))
+
+
 class Trainer:
-  """Owns the policy, reference, optimizer, env pool, sampler, logger and checkpoints of one run.
+  """The host loop of one run around its `state.TrainState`: rollout, batching, the jitted
+  phases and update, logging and checkpoints.
 
   Usage: `Trainer(config).run()`, or `setup()` then `iteration()` repeatedly. Checkpoints are
   written in the background (`config.async_checkpoint`): the last one is complete when `run()`
@@ -302,65 +310,38 @@ class Trainer:
         raise ValueError(f"{name} ({getattr(config, name)}) must be a multiple of the mesh's "
                          f"data axis ({self.data_size}): each micro-batch is split over it")
     self.checkpoints = checkpoint.RunCheckpoints(config, self.mesh)
-    # One process per run folder, from here to `close()`: another one training there is named
-    # and refused before anything is built or written (after the config checks above, so that a
-    # refused config leaves no folder behind).
-    self.run_lock = self._lock_folder()
+    # One process per run folder, from here to `close()` (after the config checks above, so that
+    # a refused config leaves no folder behind).
+    self.run_lock = _lock_run_folder(config.out, self.num_processes, self.process_index)
     try:
       self.checkpoints.check_start()  # a new run over old checkpoints, or a changed resume: refused
     except BaseException:
       if self.run_lock is not None:
         self.run_lock.release()
       raise
-    self._pool = None
-    self._logger = None
+    self._pool = self._logger = self._local_rollout = None
     self._opened = False
-    self.iteration_index = 0
+    self.iteration_index = 0  # the counters a checkpoint saves beside the state
     self.skipped_updates_total = 0
-    self._plans: list = []  # per mini-batch: its micro-batches with microbatch_lengths "own"
     self.applied_updates = 0  # optimizer steps taken (the schedule's position)
+    self._plans: list = []  # per mini-batch: its micro-batches with microbatch_lengths "own"
     self._last_save_s = None  # the last checkpoint's save time, logged with the next row
     self.last: Optional[IterationData] = None
     # bars inside a phase (rollout turns, update mini-batches): process 0 speaks for all
     self._show_progress = config.progress and self.process_index == 0
-    self._local_rollout = None
     self.times = _PhaseTimes()
-
-  def _lock_folder(self) -> Optional[runlock.RunLock]:
-    """Process 0's lock on `config.out` (None on the others); with several processes all of them
-    learn whether process 0 got it, so all stop together when it did not."""
-    lock, refused = None, None
-    if self.process_index == 0:
-      try:
-        lock = runlock.RunLock(self.config.out).acquire()
-      except (runlock.RunInUse, OSError) as e:
-        if self.num_processes == 1:
-          raise
-        refused = e
-    if self.num_processes > 1:
-      said = multihost.allgather_objects(None if refused is None else str(refused))[0]
-      if refused is not None:
-        raise refused
-      if said is not None:
-        raise runlock.RunInUse(f"process 0 could not lock the run folder: {said}")
-    return lock
 
   # ---------------------------------------------------------------- setup
 
   def setup(self) -> "Trainer":
     """Builds everything; restores the last complete checkpoint when `config.resume`."""
-    # pylint: disable=import-outside-toplevel
-    from envs.pool import EnvPool
-    from salt_jax.sampling import Sampler
-
+    from envs.pool import EnvPool  # pylint: disable=import-outside-toplevel
     cfg = self.config
     t_setup = time.perf_counter()
     logger.info("setup: tokenizer %r", cfg.tokenizer if cfg.model is None else cfg.model)
     self.tokenizer = build_tokenizer(cfg)
     self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                       else self.tokenizer.eos_token_id)
-
-    # policy, reference (the initial policy, frozen), optimizer, PRNG key
     logger.info("setup: policy %s (%s%s) on a %s mesh", cfg.model or "tiny random Qwen2",
                 cfg.param_dtype, f", {cfg.compute_dtype} compute" if cfg.compute_dtype else "",
                 "x".join(str(v) for v in self.mesh.shape.values()))
@@ -370,34 +351,15 @@ class Trainer:
     sampler_mesh = self.mesh if self.num_processes == 1 else multihost.local_mesh(self.mesh)
     self.sampler_model = self.model if self.num_processes == 1 else build_policy(
         cfg, self.tokenizer, sampler_mesh)
-    # Trained: every parameter, or with LoRA the adapters alone; `frozen` is the rest (the base,
-    # shared with `self.model`: held once, never donated, differentiated or given to AdamW).
-    self.trainable = lora.trained_filter(self.model)
-    self.graphdef, params, self.frozen = nnx.split(self.model, self.trainable, ...)
-    # The reference is the initial policy: with LoRA the base with its initial adapters (B = 0,
-    # the adapters off), so only the adapters are copied.
-    self.ref_params = jax.tree.map(jnp.copy, params)
+    # The state (trained parameters: all, or the LoRA adapters), the frozen rest (a LoRA base,
+    # shared with `self.model`: held once, never donated, differentiated or given to AdamW), the
+    # reference (the initial trained parameters) and the optimizers.
+    self.setup_parts = st = state_lib.create(cfg, self.model, self.mesh)
+    self.state, self.graphdef, self.frozen, self.ref_params = (st.state, st.graphdef, st.frozen,
+                                                               st.ref_params)
+    self.trainable, self.tx, self.schedule = st.trainable, st.tx, st.schedule
     self.ref_fingerprints = checkpoint.fingerprints(self._reference_tree())
-    self.schedule = lr_schedule(cfg)
-    self.tx = optimizer(cfg, self.schedule)
-    # PPO's critic (`salt_jax.critic`): the policy's trained state copied, a new value head, and
-    # its own optimizer; with LoRA its own adapters on the same frozen base.
-    critic = critic_opt_state = None
-    if ESTIMATORS[cfg.algo].critic:
-      self.critic_tx = critic_optimizer(cfg)
-      critic = on_mesh(init_critic(params, self.model.config.hidden_size,
-                                   jax.random.key(cfg.seed + 1)), self.mesh)
-      critic_opt_state = on_mesh(self.critic_tx.init(critic), self.mesh)
-    # The key on the mesh like every other piece of state, so a checkpoint restores it there (a
-    # key on one device meets the params on all of them in the sampler); orbax saves only arrays
-    # on the global mesh in a multi-process run.
-    self.state = TrainState(
-        params=params, opt_state=on_mesh(self.tx.init(params), self.mesh),
-        key=jax.random.wrap_key_data(jax.device_put(
-            jax.random.key_data(jax.random.key(cfg.seed)), replicated(self.mesh))),
-        critic=critic, critic_opt_state=critic_opt_state)
 
-    # tasks, environments, sampler, prompts, SALT's embedder
     self.task_sampler = TaskSampler(registry.training_tasks(cfg), cfg.seed)
     self.eval_splits = (cfg.eval_splits if cfg.eval_splits is not None
                         else registry.entry(cfg.env).eval_splits)
@@ -405,29 +367,15 @@ class Trainer:
                 len(self.task_sampler.tasks), cfg.env, cfg.env_workers)
     self._pool = EnvPool(cfg.env, {"max_steps": cfg.max_steps, **cfg.env_kwargs},
                          cfg.env_workers)
-    if cfg.rollout_engine == "vllm":  # given the current params by `_sync_sampler` below
-      from salt_jax.engines.vllm_engine import VLLMEngine
-      logger.info("setup: starting the vllm rollout engine (about a minute)")
-      self.sampler = VLLMEngine.from_model(
-          self.sampler_model, self.tokenizer,
-          model_path=cfg.model if cfg.model is not None and os.path.isdir(cfg.model) else None,
-          eos_token_ids=stop_token_ids(self.tokenizer), max_model_len=cfg.max_cache_len,
-          dtype=cfg.compute_dtype or cfg.param_dtype, kv_cache_gib=cfg.vllm_kv_cache_gib,
-          seed=cfg.seed)
-    else:
-      self.sampler = Sampler(self.sampler_model, eos_token_ids=stop_token_ids(self.tokenizer),
-                             pad_token_id=self.pad_id, max_cache_len=cfg.max_cache_len,
-                             mesh=sampler_mesh, prompt_buckets=length_buckets(
-                                 cfg.prompt_bucket_min, cfg.max_cache_len,
-                                 cfg.prompt_buckets_per_doubling))
+    self.sampler = _rollout_engine(cfg, self.sampler_model, self.tokenizer, sampler_mesh,
+                                   self.pad_id)
     self.embedder = None
     if cfg.salt and cfg.embedder not in (None, "none"):
-      from salt_jax.embedders import SentenceEmbedder
+      from salt_jax.embedders import SentenceEmbedder  # pylint: disable=import-outside-toplevel
       self.embedder = SentenceEmbedder(None if cfg.embedder == "minilm" else cfg.embedder)
     self.prompt_config = env_prompt_config(cfg.env, history_window=cfg.prompt_history)
     self.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                    stop_strings=(STOP_STRING,))
-
     self._build_programs()
 
     # output folder, checkpoints (resumed from the newest intact one), metrics log
@@ -478,21 +426,8 @@ class Trainer:
   def _build_programs(self) -> None:
     """The jitted log-prob and update programs for the current config (again after a change)."""
     self.rows = -(-self.config.minibatch_rows // self.data_size) * self.data_size
-    shard_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-    st = self.state
-    self._logprobs, train_step = update_programs(
-        self.config, self.graphdef, self.tx, self.rows, shard_of(st.params),
-        shard_of(st.opt_state))
-    critic_step = None
-    if st.critic is not None:
-      self._values, critic_step = critic_programs(
-          self.config, self.graphdef, self.critic_tx, self.rows, shard_of(st.critic),
-          shard_of(st.critic_opt_state))
-    microbatch = None
-    if self.config.microbatch_lengths == "own":
-      microbatch = microbatch_programs(self.config, self.graphdef, self.tx,
-                                       shard_of(st.params), shard_of(st.opt_state))
-    self.programs = UpdatePrograms(train_step, critic_step, microbatch)
+    self._logprobs, self._values, self.programs = state_lib.build_programs(
+        self.config, self.setup_parts._replace(state=self.state), self.rows)
 
   # ---------------------------------------------------------------- state and checkpoints
 
@@ -504,9 +439,8 @@ class Trainer:
     return {"adapters": self.ref_params, "base": self.frozen}
 
   def _state_tree(self) -> dict:
-    """What a checkpoint saves: the training state (`TrainState.checkpoint_tree`). The reference
-    is the initial policy, rebuilt at every start; with LoRA the params are the adapters (the
-    base is not saved)."""
+    """What a checkpoint saves: `TrainState.checkpoint_tree` (the reference is the initial
+    policy, rebuilt at every start; with LoRA the params are the adapters, the base not saved)."""
     return self.state.checkpoint_tree()
 
   def save(self) -> None:
@@ -539,18 +473,6 @@ class Trainer:
 
   # ---------------------------------------------------------------- the phases
 
-  def _put(self, x):
-    return jax.device_put(x, batch_sharding(self.mesh, np.ndim(x)))
-
-  def _rollout(self, tasks, key, *, seed, group_size, greedy=False):
-    sampling = dataclasses.replace(self.sampling, greedy=greedy)
-    return collect(self._pool, tasks, group_size, self.sampler, self.tokenizer, key,
-                   prompt_config=self.prompt_config, max_steps=self.config.max_steps,
-                   max_new_tokens=self.config.max_new_tokens, sampling=sampling,
-                   invalid_action_penalty=self.config.invalid_action_penalty, seed=seed,
-                   max_prompt_tokens=self.config.max_cache_len - self.config.max_new_tokens,
-                   invalid_step=self.config.invalid_step, progress=self._show_progress)
-
   def collect_rollout(self, tasks, key, *, seed, group_size, greedy=False):
     """Plays G = `group_size` trajectories of each task; returns the `RolloutBatch` of them all.
 
@@ -558,173 +480,61 @@ class Trainer:
     own environments and sampler (key folded with its index), and the shares are gathered: every
     process returns the same global batch. `_local_rollout` keeps this process's share.
     """
+    cfg = self.config
+
+    def play(tasks, key):
+      return collect(self._pool, tasks, group_size, self.sampler, self.tokenizer, key,
+                     prompt_config=self.prompt_config, max_steps=cfg.max_steps,
+                     max_new_tokens=cfg.max_new_tokens,
+                     sampling=dataclasses.replace(self.sampling, greedy=greedy),
+                     invalid_action_penalty=cfg.invalid_action_penalty, seed=seed,
+                     max_prompt_tokens=cfg.max_cache_len - cfg.max_new_tokens,
+                     invalid_step=cfg.invalid_step, progress=self._show_progress)
+
     if self.num_processes == 1:
-      self._local_rollout = self._rollout(tasks, key, seed=seed, group_size=group_size,
-                                              greedy=greedy)
+      self._local_rollout = play(tasks, key)
       return self._local_rollout
     mine = multihost.share(tasks, self.process_index, self.num_processes)
     # The key onto this process's devices (the sampler's), as a value: it may live on the mesh.
     key = jax.random.wrap_key_data(multihost.to_host(jax.random.key_data(key)))
-    self._local_rollout = self._rollout(
-        mine, jax.random.fold_in(key, self.process_index), seed=seed, group_size=group_size,
-        greedy=greedy) if mine else None
+    self._local_rollout = play(mine, jax.random.fold_in(key, self.process_index)) if mine else None
     return multihost.concat_rollouts(multihost.allgather_objects(self._local_rollout))
 
   def step_advantages(self, batch, tb: Optional[batching.TokenBatch] = None,
                       mbs: Optional[list] = None) -> tuple[np.ndarray, np.ndarray, Any, dict]:
-    """(before, after) SALT as f32[steps] on the host, the padded device array of `after` for
-    the update, and SALT's (and the critic's) metrics.
-
-    With a critic's estimator (PPO) the critic scores the token batch `tb` first (its
-    mini-batches `mbs`, which then carry each token's `advantages`, `returns` and `old_values`
-    for the update); `before` / `after` are each step's mean token advantage."""
-    cfg = self.config
-    critic = ESTIMATORS[cfg.algo].critic
-    if critic and (tb is None or mbs is None):
-      raise ValueError(f"algo {cfg.algo!r} scores the token batch with its critic: pass tb "
-                       "and mbs")
-    nsteps = batch.num_total_steps
-    # padded to a power of two (a multiple of the data axis) so the program compiles rarely
-    n_pad = -(-batching.bucket_length(nsteps, 64) // self.data_size) * self.data_size
-    merge, segments = None, 1
-    with self.times("salt"):
-      if cfg.salt:
-        trajs, groups = batch.trajectories_for_salt()
-        merge = build_merge_ids(trajs, groups, history=cfg.salt_history, embedder=self.embedder,
-                                threshold=cfg.embed_threshold)
-        segments = batching.bucket_length(merge.num_segments, 64)
-    with self.times("advantage"):
-      program = step_advantages_program(cfg.algo, cfg.tasks_per_iter, segments, cfg.salt,
-                                        estimator_options(cfg))
-      inputs = batching.estimator_inputs(batch, cfg, n_pad,
-                                         None if merge is None else merge.ids)
-    m = {}
-    if critic:
-      with self.times("values"):
-        values = self._critic_values(tb, mbs)
-      with self.times("advantage"):
-        seqs = batching.gae_sequences(batch, tb, cfg, row_multiple=self.data_size)
-        inputs = inputs._replace(token_rewards=seqs.rewards, token_values=seqs.gather(values),
-                                 token_mask=seqs.mask, token_step_ids=seqs.step_ids)
-    with self.times("advantage"):
-      out = jax.block_until_ready(program(jax.tree.map(self._put, inputs)))
-      before, after = out.before, out.after
-    if critic:
-      m.update(self._fill_critic_batch(tb, mbs, seqs, values, out))
-    host_before = multihost.to_host(before)[:nsteps]
-    host_after = multihost.to_host(after)[:nsteps]
-    with self.times("salt"):
-      m.update(merge_metrics(batch, merge, host_before) if cfg.salt else NO_MERGE_METRICS)
-    if inputs.anchor_ids is not None:  # GiGPO: steps whose state another step of the task shared
-      anchors = inputs.anchor_ids[:nsteps]
-      m["anchored_steps"] = int(np.sum(np.bincount(anchors)[anchors] > 1))
-    return host_before, host_after, after, m
-
-  def _critic_values(self, tb: batching.TokenBatch, mbs: list[dict]) -> np.ndarray:
-    """f32[B, L] on the host: the critic's value at every position of `tb`, mini-batch by
-    mini-batch (each cut to its own length, as `_minibatches` cuts them)."""
-    values = np.zeros(tb.input_ids.shape, np.float32)
-    scored = self._score_minibatches(self._values, self.state.critic, mbs,
-                                     ("input_ids", "attention_mask", "positions"))
-    for i, r in enumerate(scored):
-      values[i * self.rows:(i + 1) * self.rows, :r.shape[1]] = r
-    return values
-
-  def _fill_critic_batch(self, tb, mbs, seqs, values, out) -> dict:
-    """Puts each token's advantage, return and old value (PPO) into the mini-batches; returns
-    the critic's batch metrics: mean value and return over the trained tokens, and the share of
-    the returns' variance the values explain (verl's vf_explained_var)."""
-    shape = tb.input_ids.shape
-    advantages = seqs.scatter(multihost.to_host(out.token_advantages), shape)
-    returns = seqs.scatter(multihost.to_host(out.returns), shape)
-    for i, mb in enumerate(mbs):
-      rows, length = slice(i * self.rows, (i + 1) * self.rows), mb["input_ids"].shape[1]
-      mb["advantages"] = advantages[rows, :length]
-      mb["returns"] = returns[rows, :length]
-      mb["old_values"] = values[rows, :length]
-    mask = tb.loss_mask
-    v, r = values[mask].astype(np.float64), returns[mask].astype(np.float64)
-    explained = 1.0 - np.var(r - v) / np.var(r) if v.size > 1 and np.var(r) > 0 else float("nan")
-    return {"critic/values_mean": float(v.mean()) if v.size else float("nan"),
-            "critic/returns_mean": float(r.mean()) if r.size else float("nan"),
-            "critic/explained_variance": float(explained)}
+    """`phases.step_advantages` of `batch` for this run: (before, after) SALT on the host, the
+    padded device array of `after` for the update, and the metrics. With a critic (PPO) it
+    scores the token batch `tb` (mini-batches `mbs`, which then carry the critic's targets)."""
+    values = None
+    if self.state.critic is not None and tb is not None and mbs is not None:
+      values = lambda: phases.critic_values(  # noqa: E731
+          self._values, self.state.critic, self.frozen, mbs, tb.input_ids.shape, self.rows,
+          self.mesh)
+    return phases.step_advantages(batch, self.config, mesh=self.mesh, embedder=self.embedder,
+                                  times=self.times, tb=tb, mbs=mbs, rows=self.rows,
+                                  critic_values=values)
 
   def _minibatches(self, tb: batching.TokenBatch) -> list[dict]:
-    """Mini-batches of `self.rows` rows (padding rows have an all-False mask), each cut to the
-    bucketed length of its own longest row: attention costs the square of the length, and one
-    long trajectory (an ALFWorld heat task beside 4-step ones) would otherwise set it for all."""
-    n = tb.input_ids.shape[0]
-    fields = ("input_ids", "targets", "loss_mask", "token_step_ids", "old_logprobs",
-              "attention_mask", "positions")
-    out, self._plans = [], []
-    micro = self.config.microbatch_rows or self.rows
-    for s in range(0, n, self.rows):
-      mask = tb.attention_mask[s:s + self.rows]
-      length = batching.trimmed_length(mask, self.config.min_seq_len)
-      mb = {f: getattr(tb, f)[s:s + self.rows, :length] for f in fields}
-      # Only the trained tokens' log-probs are read: the rest are never projected to the vocab.
-      mb["logit_positions"] = batching.logit_positions(mb["loss_mask"], self.config.min_seq_len)
-      out.append(mb)
-      # with microbatch_lengths "own", the update's micro-batches (`state.update_step`)
-      self._plans.append(batching.microbatch_plan(mask[:, :length], micro,
-                                                  self.config.min_seq_len)
-                         if self.programs.microbatch is not None else None)
-    return out
-
-  def _on_device(self, mb: dict) -> dict:
-    """A mini-batch's arrays on the mesh, split over its data axis (those already there stay)."""
-    return {k: self._put(v) for k, v in mb.items()}
+    """`phases.minibatches` of `self.rows` rows; their micro-batch plans go to `_plans`."""
+    mbs, self._plans = phases.minibatches(tb, self.rows, self.config,
+                                          microbatched=self.programs.microbatch is not None)
+    return mbs
 
   def _logprobs_all(self, params, mbs: list[dict]) -> list[np.ndarray]:
     """The token log-probs of every mini-batch under `params`, on the host."""
-    return self._score_minibatches(self._logprobs, params, mbs, _LOGPROB_FIELDS)
+    return phases.score_minibatches(self._logprobs, params, mbs, phases.LOGPROB_FIELDS,
+                                    self.frozen, self.mesh)
 
   def _logprob_passes(self, params, mbs: list[dict]) -> list:
     """The token log-probs of every mini-batch under `params`, left on the device."""
-    return self._score_minibatches(self._logprobs, params, mbs, _LOGPROB_FIELDS, to_host=False)
-
-  def _score_minibatches(self, program, weights, mbs: list[dict], fields,
-                         to_host: bool = True) -> list:
-    """`program(weights, *mb[fields], frozen)` for every mini-batch, read back to the host
-    (`to_host`) after all are dispatched, so the device never waits on the host."""
-    res = [program(weights, *(self._put(mb[f]) for f in fields), self.frozen) for mb in mbs]
-    return [multihost.to_host(r) for r in res] if to_host else res
+    return phases.score_minibatches(self._logprobs, params, mbs, phases.LOGPROB_FIELDS,
+                                    self.frozen, self.mesh, to_host=False)
 
   def _recompute_old_logprobs(self, mbs: list[dict], engine: bool) -> dict:
-    """Replaces each device mini-batch's old log-probs (the sampler's) with the policy's own,
-    keeping the sampler's as `rollout_logprobs` for truncated IS (`rollout_is_threshold`).
-    Returns the metrics: with a separate engine the mean |engine's - trainer's log-prob| over
-    the trained tokens and KL(engine || trainer) per token, estimated on the engine's tokens
-    with k3 = exp(r) - 1 - r, r = trainer's - engine's log-prob (unbiased, never negative: held
-    at 0 against rounding; r clipped to +-20 as verl's); with truncated IS the mean weight and
-    the share of weights cut."""
-    cfg = self.config
-    threshold = cfg.rollout_is_threshold
-    # per mini-batch, on device: sum |delta|, tokens, sum k3, sum of IS weights, weights cut
-    sums = []
-    for mb, lp in zip(mbs, self._logprob_passes(self.state.params, mbs)):
-      mask = mb["loss_mask"].astype(bool)
-      sampled = mb["old_logprobs"]
-      r = jnp.clip(lp - sampled, -20.0, 20.0)
-      row = [jnp.sum(jnp.where(mask, jnp.abs(lp - sampled), 0.0)), jnp.sum(mask),
-             jnp.sum(jnp.where(mask, jnp.maximum(jnp.expm1(r) - r, 0.0), 0.0))]
-      if threshold is not None:  # the update's IS weights, as `policy_loss` will apply them
-        mb["rollout_logprobs"] = sampled
-        w = rollout_is_weights(lp, sampled, mask, threshold)
-        row += [jnp.sum(jnp.where(mask, w, 0.0)), jnp.sum(mask & (w >= threshold))]
-      mb["old_logprobs"] = jnp.where(mask, lp, 0.0)
-      sums.append(row)
-    # One read for all (a collective when the batch spans several processes).
-    totals = np.sum(multihost.to_host(jnp.stack([jnp.stack(r).astype(jnp.float32) for r in sums]))
-                    .astype(np.float64), axis=0)
-    m, count = {}, totals[1]
-    if engine:
-      m["engine_logprob_abs_diff"] = totals[0] / count if count else float("nan")
-      m["engine_kl"] = totals[2] / count if count else float("nan")
-    if threshold is not None:
-      m["rollout_is/mean"] = totals[3] / count if count else float("nan")
-      m["rollout_is/truncated_fraction"] = totals[4] / count if count else float("nan")
-    return {k: float(v) for k, v in m.items()}
+    """`phases.recompute_old_logprobs` under the current params."""
+    return phases.recompute_old_logprobs(self._logprobs, self.state.params, self.frozen, mbs,
+                                         self.mesh, engine=engine,
+                                         threshold=self.config.rollout_is_threshold)
 
   def iteration(self) -> dict:
     """Runs one training iteration; returns (and logs) its metrics."""
@@ -735,7 +545,6 @@ class Trainer:
     self.state = self.state._replace(key=key)
     tasks = self.task_sampler.next(cfg.tasks_per_iter)
 
-    # rollout
     logger.info("iteration %d/%d: rollout of %d tasks x %d trajectories", it + 1, cfg.iters,
                 len(tasks), cfg.group_size)
     with times("rollout"):
@@ -748,21 +557,20 @@ class Trainer:
     m: dict[str, Any] = rollout_metrics(full, batch)
     self.last = IterationData(full, self._local_rollout, None, None, None)
 
-    upd, histograms = self._no_update(), {}
+    critic = self.state.critic is not None
+    upd, histograms = state_lib.no_update_metrics(critic), {}
     if batch.num_total_steps == 0:  # every trajectory failed: nothing to learn from
-      m.update(NO_MERGE_METRICS, skipped_groups=cfg.tasks_per_iter)
+      m.update(phases.NO_MERGE_METRICS, skipped_groups=cfg.tasks_per_iter)
     else:
       # the batch: token rows in the run's layout, cut into mini-batches
       tb = batching.from_rollout(batch, cfg.layout, pad_id=self.pad_id,
                                  min_length=cfg.min_seq_len, row_multiple=self.rows)
       mbs = self._minibatches(tb)
-
       # step advantages: group estimator (or critic) and SALT
       before, after, step_adv, salt_m = self.step_advantages(batch, tb, mbs)
       m.update(salt_m, skipped_groups=skipped_groups(before, batch.step_group_ids),
-               adv_frac_changed=float(np.mean(np.abs(after - before) > 1e-6)))
-      m.update(_stats(before, "adv_before"))
-      m.update(_stats(after, "adv_after"))
+               adv_frac_changed=float(np.mean(np.abs(after - before) > 1e-6)),
+               **_stats(before, "adv_before"), **_stats(after, "adv_after"))
       histograms = {"adv_before": before, "adv_after": after}
       self.last = self.last._replace(minibatches=mbs, advantages=(before, after),
                                      step_adv=step_adv)
@@ -770,19 +578,18 @@ class Trainer:
       # With every advantage 0 the loss would be KL alone, and an update would move the policy
       # (Adam makes a full step of any gradient, weight decay too) on no evidence: none is taken.
       # A critic learns from every batch; the policy waits for `critic_warmup` iterations.
-      critic = self.state.critic is not None
       train_policy = bool(np.any(after != 0)) and it >= (cfg.critic_warmup if critic else 0)
       learn = train_policy or critic
       logger.info("iteration %d: advantages and SALT done (merge rate %.2f); %s", it + 1,
                   m["merge_rate"], f"update over {len(mbs)} mini-batch(es) x {cfg.ppo_epochs} "
                   "epoch(s)" if learn else "no update: every advantage is 0")
       if learn:
-        # The sampler's, or recomputed under the current params: always with a separate engine,
+        # From here the batch lives on the device: the log-prob phases fill it there and the
+        # update reads it there; only a few sums come back to the host. Old log-probs are the
+        # sampler's, or recomputed under the current params: always with a separate engine,
         # whose log-probs (other kernels, maybe another dtype) are only compared with ours.
         engine = cfg.rollout_engine != "builtin"
-        # From here the batch lives on the device: the log-prob phases fill it there and the
-        # update reads it there; only a few sums come back to the host.
-        mbs = [self._on_device(mb) for mb in mbs]
+        mbs = [phases.on_device(mb, self.mesh) for mb in mbs]
         self.last = self.last._replace(minibatches=mbs)
         with times("old_logprob"):
           if train_policy and (cfg.recompute_old_logprobs or engine):
@@ -793,13 +600,10 @@ class Trainer:
               mb["ref_logprobs"] = jnp.where(mb["loss_mask"], lp, 0.0)
         with times("update"):
           upd = self._update(mbs, step_adv, k_shuffle, train_policy=train_policy)
-    m.update(upd)
-    m["skipped_updates_total"] = self.skipped_updates_total
-    m["lr"] = float(self.schedule(self.applied_updates))
-    for phase in ("rollout", "salt", "advantage", "old_logprob", "ref_logprob", "update"):
-      m[f"time/{phase}"] = times.get(phase, 0.0)
-    if self.state.critic is not None:  # the critic's forward pass over the batch (PPO)
-      m["time/values"] = times.get("values", 0.0)
+    m.update(upd, skipped_updates_total=self.skipped_updates_total,
+             lr=float(self.schedule(self.applied_updates)))
+    timed = ("rollout", "salt", "advantage", "old_logprob", "ref_logprob", "update")
+    m.update({f"time/{p}": times.get(p, 0.0) for p in timed + (("values",) if critic else ())})
     if cfg.rollout_engine != "builtin":  # the copy into the engine (inside time/update)
       m.setdefault("engine_logprob_abs_diff", float("nan"))
       m.setdefault("engine_kl", float("nan"))
@@ -828,65 +632,17 @@ class Trainer:
     return row
 
   def _update(self, mbs: list[dict], step_adv, key, *, train_policy: bool = True) -> dict:
-    """The iteration's optimizer steps over shuffled mini-batches: `state.update_step` (a critic
-    step with PPO, and a policy step unless `train_policy` is False: the critic's warm-up) on
-    each mini-batch with a trained token, in a fresh order each epoch."""
-    cfg = self.config
-    mbs = [self._on_device(mb) for mb in mbs]
-    live = np.flatnonzero(multihost.to_host(jnp.stack([jnp.any(mb["loss_mask"]) for mb in mbs]))
-                          if mbs else [])
-    perms = multihost.to_host(jax.vmap(lambda k: jax.random.permutation(k, len(live)))(
-        jax.random.split(key, cfg.ppo_epochs)))
-    order = [int(live[j]) for perm in perms for j in perm]
-    sums: dict[str, float] = {}
-    n, skipped = 0, 0
-    outs, critic_outs = [], []
-    with progress_bar(order, desc="update", enabled=self._show_progress, unit="batch") as bar:
-      for i in bar:
-        self.state, out, critic_out = update_step(self.programs, self.state, mbs[i], step_adv,
-                                                  self.frozen, train_policy=train_policy,
-                                                  plan=self._plans[i])
-        if critic_out:
-          critic_outs.append(critic_out)
-        if out:
-          outs.append(out)
-    # Fetched once, after the last step: no mini-batch waits for the host to read its metrics.
-    outs, critic_outs = jax.device_get((outs, critic_outs))
-    critic_m = self._critic_metrics(critic_outs)
-    for i, out in zip(order, outs):
-      logger.debug("update: mini-batch %d, loss %.4f%s", i, float(out.get("loss", np.nan)),
-                   " (skipped: not finite)" if bool(out["skipped"]) else "")
-      if bool(out["skipped"]):
-        skipped += 1
-        continue  # a NaN/inf mini-batch: its numbers are not averaged into the metrics
-      n += 1
-      self.applied_updates += 1
-      for k, v in out.items():
-        if k != "skipped":
-          sums[k] = sums.get(k, 0.0) + float(v)
-    self.skipped_updates_total += skipped
-    if outs:  # the policy's params are new arrays (the old ones donated), even if all skipped
+    """`state.update` over the mini-batches (a policy step on each unless `train_policy` is
+    False: the critic's warm-up); counts the steps and gives the sampler the new params."""
+    self.state, m = state_lib.update(
+        self.programs, self.state, [phases.on_device(mb, self.mesh) for mb in mbs], step_adv,
+        key, self.frozen, epochs=self.config.ppo_epochs, plans=self._plans,
+        train_policy=train_policy, progress=self._show_progress)
+    self.applied_updates += m["num_updates"]
+    self.skipped_updates_total += m["skipped_updates"]
+    if m["num_updates"] + m["skipped_updates"]:  # new policy arrays (the old ones donated)
       self._sync_sampler()
-    if not n:
-      return {**self._no_update(), "skipped_updates": skipped, **critic_m}
-    return {**{k: v / n for k, v in sums.items()}, "skipped_updates": skipped, "num_updates": n,
-            **critic_m}
-
-  def _critic_metrics(self, outs: list[dict]) -> dict:
-    """The critic's update metrics, averaged over its finite steps (NaN without a critic step),
-    and how many of its steps were skipped as not finite."""
-    if self.state.critic is None:
-      return {}
-    kept = [o for o in outs if not bool(o["skipped"])]
-    m = {k: float(np.mean([float(o[k]) for o in kept])) if kept else float("nan")
-         for k in CRITIC_METRICS}
-    return {**m, "critic_skipped_updates": len(outs) - len(kept)}
-
-  def _no_update(self) -> dict:
-    """The update metrics of an iteration that took no optimizer step."""
-    return {**{k: float("nan") for k in ("loss", "grad_norm", "kl", "clip_fraction", "pg_loss",
-                                         "ratio_mean", "approx_kl_old", "entropy")},
-            "skipped_updates": 0, "num_updates": 0, **self._critic_metrics([])}
+    return m
 
   def evaluate(self) -> dict:
     """Greedy success on `num_eval_tasks` tasks of each eval split (overall and per task type)."""
