@@ -22,6 +22,7 @@ import numpy as np
 from envs.alfworld import starter_defaults
 from salt_jax.cli import config_from
 from salt_jax.config import TrainConfig, parse_overrides
+from salt_jax.phases import on_device, put
 from salt_jax.train import Trainer
 
 MAIN_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -66,10 +67,9 @@ def main(argv=None) -> list[dict]:
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(main_job_config(out, overrides)).setup()
     vocab = int(trainer.model.config.vocab_size)
-    step_adv = trainer._put(np.linspace(-1, 1, 512).astype(np.float32))  # pylint: disable=protected-access
+    step_adv = put(np.linspace(-1, 1, 512).astype(np.float32), trainer.mesh)
     for length in args.lengths:
-      mb = {k: trainer._put(v) for k, v in  # pylint: disable=protected-access
-            minibatch(trainer.rows, length, vocab, length).items()}
+      mb = on_device(minibatch(trainer.rows, length, vocab, length), trainer.mesh)
       times = []
       for _ in range(args.reps + 1):
         t0 = time.perf_counter()

@@ -238,9 +238,9 @@ def _on(mesh: Mesh, shape, dtype, batch: bool = True) -> jax.ShapeDtypeStruct:
 
 
 def minibatch(mesh: Mesh, rows: int, length: int, with_critic: bool = False) -> dict:
-  """The trainer's mini-batch dict (`Trainer._minibatches` plus ref_logprobs, less its
+  """The trainer's mini-batch dict (`phases.minibatches` plus ref_logprobs, less its
   logit_positions: the plan projects every position onto the vocabulary) as shapes; with a
-  critic also each token's advantage, return and old value (`Trainer._fill_critic_batch`: the
+  critic also each token's advantage, return and old value (`phases.fill_critic_batch`: the
   update reads the advantages, the critic step the returns and old values)."""
   ints = ("input_ids", "targets", "token_step_ids", "positions")
   bools = ("loss_mask", "attention_mask")
@@ -437,7 +437,7 @@ def compile_critic(shape: RunShape, mesh: Mesh, model_config: ModelConfig,
 
   def args_for(name, rows):
     mb = minibatch(mesh, rows, shape.seq_len, with_critic=True)
-    if name == "critic":  # the fields `Trainer._update` hands the critic step
+    if name == "critic":  # the fields `state.update_step` hands the critic step
       fields = ("input_ids", "attention_mask", "positions", "loss_mask") + CRITIC_TARGETS
       return (tree, opt_state, {k: mb[k] for k in fields}, frozen)
     return (tree, mb["input_ids"], mb["attention_mask"], mb["positions"], frozen)

@@ -5,7 +5,7 @@ each of the first `--tasks` training tasks, with the "verl-agent" recipe's promp
 counter and the last 2 observation/action pairs) and reward rule, at most `--max-steps` steps.
 From that one rollout SALT's merge graph is built for every h in `--histories`
 (`graph.build_merge_ids`, exact matching, as the trainer does) and read as the trainer logs it
-(`train.merge_metrics`): merged steps, those whose merged edge holds different responses or
+(`phases.merge_metrics`): merged steps, those whose merged edge holds different responses or
 different prompts, and those whose members' advantages differ on different samples (the merges that
 change the policy gradient). The rollout's valid-action share (a parsable `<action>`, the recipe's
 rule), the parser's verdicts and its success come with it.
@@ -41,7 +41,8 @@ import numpy as np
 from salt_jax.config import TrainConfig, parse_overrides
 from salt_jax.graph import build_merge_ids
 from salt_jax.metrics import read_jsonl, write_jsonl
-from salt_jax.train import Trainer, merge_metrics
+from salt_jax.phases import merge_metrics
+from salt_jax.train import Trainer
 
 HISTORIES = (1, 2, 3, 4, 5)
 

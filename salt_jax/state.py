@@ -91,7 +91,7 @@ def update_step(programs: UpdatePrograms, state: TrainState, minibatch: dict, st
   """One mini-batch's optimizer steps on `state`: the critic's (with a critic), then the
   policy's (unless `train_policy` is False: the critic's warm-up).
 
-  minibatch: dict of device arrays [rows, L] (`Trainer._minibatches`, filled by the log-prob and
+  minibatch: dict of device arrays [rows, L] (`phases.minibatches`, filled by the log-prob and
     advantage phases; its `ROW_FIELDS` are [rows, K]); step_adv: the padded step advantages (a
     critic's per-token ones are in the mini-batch). Both programs donate what they update:
     `state`'s arrays are consumed.

@@ -209,3 +209,25 @@ def test_bench_compiles_counts_each_programs_compiles():
     bench_compiles.main(["--sampler", "split_min_flop=0"])
   with pytest.raises(SystemExit):
     bench_compiles.main(["--sampler", "split_min_flops"])
+
+
+def test_bench_decode_step_splits_a_step(tmp_path, capsys):
+  """Each case's bound is its bytes over the measured bandwidth: the weights of its layers (and
+  the head) and the filled cache."""
+  import bench_decode_step as bench  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "decode.json"
+  assert bench.main(["--quick", "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  shape, bw = bench.TINY, got["read_GBps"] * 1e9
+  full = got["cases"]["step, 2 layers"]
+  want = bench.step_bytes(bench.config_of(shape, 2), 8, 40, 4) / bw * 1e3
+  assert full["bound_ms"] == pytest.approx(want) and full["ms"] > 0 and full["instructions"] > 0
+  one = got["cases"]["step, 1 layer"]
+  assert got["per_layer_ms"] == pytest.approx(full["ms"] - one["ms"])
+  assert one["instructions"] < full["instructions"]  # a layer's ops are dispatched one by one
+  # SmolLM2's weights: 134.5M parameters with the tied embedding counted once; its cache
+  config = bench.config_of(bench.SMOLLM2, 30)
+  assert bench.step_bytes(config, 8, 0, 1) == pytest.approx(134.5e6, rel=0.01)
+  assert bench.step_bytes(config, 8, 10, 4) - bench.step_bytes(config, 8, 0, 4) == \
+      2 * 30 * 8 * 3 * 64 * 10 * 4
+  assert "per layer" in capsys.readouterr().out
