@@ -367,6 +367,8 @@ BASELINES = {
             "test's setting)", "toy_baselines.png"),
     "textworld": ("textworld-baselines", "GRPO, GiGPO and PPO with a critic on TextWorld (the "
                   "four methods' setting)", "textworld_baselines.png"),
+    "alfworld": ("alfworld-baselines", "GRPO, GiGPO and PPO with a critic on ALFWorld (the four "
+                 "methods' setting)", "alfworld_baselines.png"),
 }
 
 # Real pretrained models through the trainer (issue #41): {folder of *.jsonl learning-check runs
