@@ -8,8 +8,8 @@ Shapes are bucketed so one compiled program serves every turn of a rollout: the 
 a batch bucket with dummy rows that start finished, and prompts are LEFT-padded to a prompt bucket,
 so every row's last prompt token sits in the same cache slot and all rows write each new token to
 one shared `cache_index`. Only two choices change the program's structure and are static: greedy or
-not, and whether top-k/top-p filter at all (a sort per step); temperature, top-k, top-p,
-max_new_tokens and the key are traced values.
+not, and whether top-k/top-p filter at all (64 passes over the vocabulary per step); temperature,
+top-k, top-p, max_new_tokens and the key are traced values.
 
 The cache holds W slots per row, W the smallest of `cache_buckets` that fits the call (at most
 `max_cache_len`), since every decode step attends over all of them. The flow for a prompt bucket P:
@@ -118,7 +118,7 @@ class _Mode(NamedTuple):
   """Static sampling structure: one compiled decode program per distinct value."""
 
   greedy: bool
-  filtered: bool  # top-k or top-p restricts the vocabulary (costs one sort per step)
+  filtered: bool  # top-k or top-p restricts the vocabulary (64 passes over the row a step)
 
 
 class _LoopState(NamedTuple):
@@ -241,6 +241,62 @@ def _argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
+def _float_order_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys in the order of the float32 values x (radix sort's keys: a negative float's
+  bits flipped, a positive one's sign bit set); x holds no -0.0 (add 0.0 first)."""
+  u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(1 << 31))
+
+
+def _float_of_order_key(key: jax.Array) -> jax.Array:
+  """The float32 whose `_float_order_keys` key is `key`."""
+  u = jnp.where(key >> 31 == 1, key ^ jnp.uint32(1 << 31), ~key)
+  return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def _largest_key(lo: jax.Array, hi: jax.Array, holds: Callable) -> jax.Array:
+  """Per row, the largest uint32 key K in [lo, hi) with holds(K) (a [B, 1] bool of a [B, 1]
+  key), for `holds` true at lo, false at hi and monotone between: 32 halvings of [lo, hi)."""
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    ok = holds(mid) & (hi - lo > 1)
+    return jnp.where(ok, mid, lo), jnp.where(ok | (hi - lo <= 1), hi, mid)
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
+
+
+def _filter_cutoff(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """f32[B, 1]: per row of z (f32[B, V]) the smallest value top-k then top-p keep (keep z >=
+  it; ties at it are all kept).
+
+  As a descending sort would give it (top-k: the k largest by rank; top-p: the shortest prefix
+  of those whose softmax mass, over the k, reaches top_p), found without sorting: the k-th largest
+  value and then the nucleus' last value by bisection over the values' order keys, each step a
+  count or a masked sum over the row (64 in all), where a sort of the whole vocabulary per row
+  per step costs several times more on a CPU (docs/performance.md, "A decode step, split").
+  """
+  z = z + 0.0  # -0.0 -> +0.0: equal floats, one key
+  keys = _float_order_keys(z)
+  lo = jnp.min(keys, axis=-1, keepdims=True)
+  hi = jnp.max(keys, axis=-1, keepdims=True) + 1
+  k = jnp.minimum(top_k, z.shape[-1])
+  kth = _largest_key(lo, hi, lambda c: jnp.sum(keys >= c, axis=-1, keepdims=True) >= k)
+  kth_value = _float_of_order_key(kth)
+  # The top-k softmax's normalizer, over exactly k entries (ties at the k-th value count up to k).
+  e = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+  above = keys > kth
+  total = (jnp.sum(jnp.where(above, e, 0.0), axis=-1, keepdims=True)
+           + (k - jnp.sum(above, axis=-1, keepdims=True)) * jnp.exp(
+               kth_value - jnp.max(z, axis=-1, keepdims=True)))
+
+  def mass_reaches(c):
+    mass = jnp.where(c == kth, total, jnp.sum(jnp.where(keys >= c, e, 0.0), axis=-1,
+                                                  keepdims=True))
+    return mass >= top_p * total
+  nucleus = _float_of_order_key(_largest_key(kth, hi, mass_reaches))
+  return jnp.where(top_p >= 1.0, kth_value, nucleus)
+
+
 def _choose(logits, row_keys, step, knobs: _Knobs, mode: _Mode):
   """Picks one token per row.
 
@@ -261,16 +317,7 @@ def _choose(logits, row_keys, step, knobs: _Knobs, mode: _Mode):
   else:
     z = logits / knobs.temperature
     if mode.filtered:
-      # One descending sort serves both filters; thresholding on the sorted values avoids a gather
-      # back through the permutation. Top-k first, then the smallest set of the survivors whose
-      # mass reaches top_p (the top token always stays). Ties at a threshold are all kept.
-      desc = -jnp.sort(-z, axis=-1)
-      rank = jnp.arange(z.shape[-1])
-      desc = jnp.where(rank < knobs.top_k, desc, -jnp.inf)
-      probs = jax.nn.softmax(desc, axis=-1)
-      keep = (jnp.cumsum(probs, axis=-1) - probs < knobs.top_p) & (rank < knobs.top_k)
-      cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-      z = jnp.where(z < cutoff, -jnp.inf, z)
+      z = jnp.where(z < _filter_cutoff(z, knobs.top_k, knobs.top_p), -jnp.inf, z)
     policy = jax.nn.log_softmax(z, axis=-1)
     keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)

@@ -701,3 +701,26 @@ def test_length_groups_on_a_mesh(setup):
   assert sharded._plan(prompts, None, None, 8, MAX_NEW).groups is not None
   got = sharded(prompts, jax.random.key(5), max_new_tokens=MAX_NEW, temperature=1.0)
   _assert_same(got, want, rtol=1e-5)  # the model axis sums in another order (as above)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_filter_cutoff_keeps_what_a_sorted_filter_keeps(ties):
+  """The cutoff found by bisection keeps exactly the tokens a descending sort's top-k then top-p
+  keeps (the numpy reference above), ties at the boundary included, for k from 1 to past V."""
+  from salt_jax.sampling import _filter_cutoff  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  v = 300
+  z = rng.normal(size=(24, v)).astype(np.float32) * 3
+  if ties:  # few distinct values: many ties at every threshold
+    z = np.round(z).astype(np.float32)
+  z[0, :] = 0.0  # one row all equal
+  z[1, :5] = -0.0  # signed zeros are one value
+  cut = jax.jit(_filter_cutoff)
+  for k, p in [(1, 1.0), (5, 1.0), (v, 0.5), (v + 7, 0.9), (40, 0.3), (40, 0.999), (v, 1.0),
+               (2, 1e-6)]:
+    got = np.asarray(cut(jnp.asarray(z), jnp.int32(k), jnp.float32(p)))
+    for r in range(z.shape[0]):
+      _, ref = _filtered_logprobs(z[r].astype(np.float64), 1.0, min(k, v), p)
+      cutoff = z[r][ref].min()  # the reference keeps a prefix of the sorted values: all >= this
+      np.testing.assert_array_equal(z[r] >= got[r, 0], z[r] >= cutoff, err_msg=f"k={k} p={p} "
+                                                                                 f"row {r}")
