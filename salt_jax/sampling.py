@@ -283,11 +283,11 @@ def _filter_cutoff(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
   kth = _largest_key(lo, hi, lambda c: jnp.sum(keys >= c, axis=-1, keepdims=True) >= k)
   kth_value = _float_of_order_key(kth)
   # The top-k softmax's normalizer, over exactly k entries (ties at the k-th value count up to k).
-  e = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+  top = jnp.max(z, axis=-1, keepdims=True)
+  e = jnp.exp(z - top)
   above = keys > kth
   total = (jnp.sum(jnp.where(above, e, 0.0), axis=-1, keepdims=True)
-           + (k - jnp.sum(above, axis=-1, keepdims=True)) * jnp.exp(
-               kth_value - jnp.max(z, axis=-1, keepdims=True)))
+           + (k - jnp.sum(above, axis=-1, keepdims=True)) * jnp.exp(kth_value - top))
 
   def mass_reaches(c):
     mass = jnp.where(c == kth, total, jnp.sum(jnp.where(keys >= c, e, 0.0), axis=-1,
