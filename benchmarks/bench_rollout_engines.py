@@ -48,37 +48,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import QUICK, best_seconds  # noqa: E402  (tiny shapes; best of timed calls)
+# The model's work: forward FLOPs of the prefilled prompts, bytes a decode step reads.
+from salt_jax.models.cost import cache_bytes, forward_flops, weight_bytes  # noqa: E402,F401
 
 # SmolLM2-135M-Instruct's shape (its GGUF's config), for --random.
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
                tie_word_embeddings=True, attention_bias=False)
 ENGINES = ("builtin", "builtin-doubling", "vllm")
-
-
-def model_flops(config, prompt_lens) -> float:
-  """Forward FLOPs of prefilling these prompts: 2 per multiply-add of every projection (the
-  output head at the last position only, as the sampler computes it) and causal attention."""
-  d, hd, L = config.hidden_size, config.head_dim, config.num_layers
-  q, kv = config.num_heads * hd, config.num_kv_heads * hd
-  per_token = L * (d * (q + 2 * kv) + q * d + 3 * d * config.intermediate_size)
-  flops = 0.0
-  for n in prompt_lens:
-    flops += 2 * per_token * n + 2 * d * config.vocab_size       # projections, one head row
-    flops += L * 2 * 2 * q * n * (n + 1) / 2                     # QK^T and AV, causal
-  return flops
-
-
-def weight_bytes(config, itemsize: int) -> float:
-  d, hd, L = config.hidden_size, config.head_dim, config.num_layers
-  q, kv = config.num_heads * hd, config.num_kv_heads * hd
-  per_layer = d * (q + 2 * kv) + q * d + 3 * d * config.intermediate_size + 2 * d
-  head = config.vocab_size * d  # tied or not, the head reads V x D once a step
-  return (L * per_layer + head + d) * itemsize
-
-
-def cache_bytes(config, filled_slots: int, itemsize: int) -> float:
-  return 2 * config.num_layers * config.num_kv_heads * config.head_dim * filled_slots * itemsize
 
 
 def measure_limits(config, rows: int, prompt_len: int, dtype) -> dict:
@@ -269,7 +246,7 @@ def main(argv=None) -> int:
         prompts = prompts_for(case, args.rows, args.prompt_len, config.vocab_size)
         got = time_engine(engine, prompts, args.new, args.repeats)
         distinct = {tuple(p) for p in prompts}
-        flops = model_flops(config, [len(p) for p in distinct])
+        flops = forward_flops(config, [len(p) for p in distinct])
         bound_prefill = flops / limits["matmul_flops_per_s"]
         filled = args.rows * (args.prompt_len + args.new // 2)  # the mean over the steps
         bound_step = (weight_bytes(config, itemsize) + cache_bytes(config, filled, itemsize)) \

@@ -39,6 +39,7 @@ import numpy as np
 from envs.base import Task
 from salt_jax.agent import parsing
 from salt_jax.agent.parsing import parse_action
+from salt_jax.agent.prompts import PromptConfig, Prompter
 from salt_jax.log import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 INVALID_STEP_MODES = ("admissible", "format")
 # verl-agent's invalid step: its projection found no action (the env's verdict is not consulted).
 _FORMAT_OK = (parsing.OK, parsing.NOT_ADMISSIBLE)
-from salt_jax.agent.prompts import PromptConfig, Prompter
+# What a sampler may report of each call's two phases (summed over a rollout's calls).
+_SAMPLER_PHASE_FIELDS = ("prefill_seconds", "decode_seconds", "prefill_flops", "decode_bytes")
 
 
 class SampleOutputLike(Protocol):
@@ -57,8 +59,9 @@ class SampleOutputLike(Protocol):
   policy_logprobs: list  # f32[n_i] under the raw model at temperature 1: the old log-probs
   texts: Optional[list]  # decoded text, or None (the loop decodes with the tokenizer)
   finish_reasons: list
-  # Optionally reused_tokens: int, prompt tokens read from a kept KV cache (0 when absent), and
-  # prefilled_tokens: int, prompt tokens run through the model (default: the rest).
+  # Optionally reused_tokens: int, prompt tokens read from a kept KV cache (0 when absent),
+  # prefilled_tokens: int, prompt tokens run through the model (default: the rest), and the
+  # `_SAMPLER_PHASE_FIELDS` (`salt_jax.sampling.SampleOutput`'s; NaN in the metrics when absent).
 
 
 class SamplerFn(Protocol):
@@ -122,7 +125,9 @@ class RolloutBatch:
   metrics: valid_action_ratio, success_rate, gen_time_s, env_time_s, env_wait_fraction,
     prompt_tokens (over all turns), reused_prompt_tokens (read from a kept KV cache rather
     than prefilled) and prefilled_prompt_tokens (run through the model: a prompt repeated in
-    one sampler call counts once), ...
+    one sampler call counts once), prefill_time_s / decode_time_s (gen_time_s split by the
+    sampler) and prefill_flops / decode_bytes (the model work each phase had to do), NaN for a
+    sampler that does not report them, ...
   """
 
   prompt_ids: list = _per_step()
@@ -393,6 +398,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
   row_of = np.full(n_traj, -1)  # each trajectory's row in the last sampler call
   gen_s = env_s = 0.0
   prompt_tokens = reused_tokens = prefilled_tokens = 0
+  # the sampler's own split of its time and the work it had to do (NaN when it reports none)
+  phase_sums = dict.fromkeys(_SAMPLER_PHASE_FIELDS, 0.0)
   t_start = time.perf_counter()
   restarts_before = int(getattr(env_pool, "restarts", 0))
 
@@ -435,6 +442,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
     prompt_tokens += turn_tokens
     reused_tokens += reused
     prefilled_tokens += int(getattr(out, "prefilled_tokens", turn_tokens - reused))
+    for name in _SAMPLER_PHASE_FIELDS:
+      phase_sums[name] += float(getattr(out, name, float("nan")))
     texts = out.texts if out.texts is not None else [
         tokenizer.decode([int(t) for t in toks]) for toks in out.tokens]
     parsed = [parse_action(texts[j], admissible[i]) for j, i in enumerate(active)]
@@ -484,6 +493,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       response_tokens=int(sum(len(s["response_ids"]) for s in flat)),
       prompt_tokens=prompt_tokens, reused_prompt_tokens=reused_tokens,
       prefilled_prompt_tokens=prefilled_tokens,
+      prefill_time_s=phase_sums["prefill_seconds"], decode_time_s=phase_sums["decode_seconds"],
+      prefill_flops=phase_sums["prefill_flops"], decode_bytes=phase_sums["decode_bytes"],
       gen_time_s=gen_s, env_time_s=env_s, other_time_s=total_s - gen_s - env_s,
       total_time_s=total_s, env_wait_fraction=env_wait_fraction(env_s, gen_s),
       env_restarts=int(getattr(env_pool, "restarts", 0)) - restarts_before)

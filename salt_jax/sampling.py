@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -67,6 +68,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from salt_jax.models import cost
+from salt_jax.models.config import ModelConfig
 from salt_jax.sharding import DATA_AXIS
 
 _DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -93,6 +96,13 @@ class SampleOutput:
       continued the previous one).
     prefilled_tokens: prompt tokens this call ran through the model (a prompt that repeats an
       earlier one in the call is prefilled once; padding not counted).
+    prefill_seconds: wall time from the call's start until its prompts were in the cache and
+      the first tokens drawn (planning, the prefill program, a compile if it had to).
+    decode_seconds: wall time from then until the new tokens were back on the host.
+    prefill_flops: model FLOPs of the prefilled tokens (`salt_jax.models.cost.forward_flops`:
+      no padding, no masked attention); NaN for a model without a `ModelConfig`.
+    decode_bytes: bytes the decode steps had to read (`salt_jax.models.cost.decode_bytes`: the
+      weights once a step, each row's filled cache while it was live); NaN likewise.
   """
 
   tokens: list[np.ndarray]
@@ -103,6 +113,10 @@ class SampleOutput:
   num_steps: int = 0
   reused_tokens: int = 0
   prefilled_tokens: int = 0
+  prefill_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  prefill_flops: float = float("nan")
+  decode_bytes: float = float("nan")
 
 
 class _Knobs(NamedTuple):
@@ -164,6 +178,7 @@ class _Plan(NamedTuple):
   reused: int              # prompt tokens read from the kept cache
   prefilled: int = 0       # prompt tokens prefilled (real, not padding)
   expand: np.ndarray | None = None  # i32[B] the prefilled row each prompt's row copies; None: U = B
+  prefill_flops: float = float("nan")  # model FLOPs of the prefilled tokens
   # A full prefill in length groups (`Sampler(split_lengths=True)`): per group (tokens,
   # positions, suffix_mask, cursor), each left-padded to its own bucket and written so that
   # all end at the same slot, its rows put after the previous group's in buffers of
@@ -709,12 +724,31 @@ class Sampler:
     """Cache length for a call that writes up to slot `need` - 1 (a bucket, >= at_least)."""
     return max(_bucket(need, self.cache_buckets), at_least)
 
+  def _prefill_flops(self, lengths, bases=None) -> float:
+    """Model FLOPs of prefilling suffixes of `lengths` after `bases` cached tokens (NaN for a
+    model without a ModelConfig)."""
+    config = getattr(self.model, "config", None)
+    if not isinstance(config, ModelConfig):
+      return float("nan")
+    return cost.forward_flops(config, lengths, bases)
+
+  def _decode_bytes(self, prompts, lengths, steps: int) -> float:
+    """Bytes this call's decode had to read (`cost.decode_bytes`; NaN without a ModelConfig)."""
+    config = getattr(self.model, "config", None)
+    if not isinstance(config, ModelConfig):
+      return float("nan")
+    weights = jnp.dtype(getattr(self.model, "param_dtype", jnp.float32)).itemsize
+    cache = jnp.dtype(self.cache_dtype or getattr(self.model, "dtype", jnp.float32)).itemsize
+    return cost.decode_bytes(config, [len(p) for p in prompts], lengths, steps - 1, weights,
+                             cache)
+
   def _plan_full(self, prompts, bb: int, max_new_tokens: int) -> _Plan:
     pb = self._prompt_bucket(max(len(p) for p in prompts), max_new_tokens)
     tokens, positions, mask = self._layout(prompts, [0] * len(prompts), pb, bb)
     keep = np.zeros((bb, self._cache_len(pb + max_new_tokens - 1)), bool)
     return _Plan(tokens, positions, mask, cursor=0, rows=None, keep=keep, reused=0,
-                 prefilled=int(sum(len(p) for p in prompts)))
+                 prefilled=int(sum(len(p) for p in prompts)),
+                 prefill_flops=self._prefill_flops([len(p) for p in prompts]))
 
   def _plan_continuation(self, prompts, continue_rows, kept: _Kept, bb: int,
                          max_new_tokens: int) -> _Plan | None:
@@ -739,7 +773,8 @@ class Sampler:
     keep = np.zeros((bb, self._cache_len(kept.cursor + sb - 1 + max_new_tokens, width)), bool)
     keep[:n, :width] = kept.slots[rows[:n]]
     return _Plan(tokens, positions, mask, cursor=kept.cursor, rows=rows, keep=keep,
-                 reused=int(sum(bases)), prefilled=int(sum(len(x) for x in suffixes)))
+                 reused=int(sum(bases)), prefilled=int(sum(len(x) for x in suffixes)),
+                 prefill_flops=self._prefill_flops([len(x) for x in suffixes], bases))
 
   def _length_groups(self, prompts, bu: int,
                      max_new_tokens: int) -> list[tuple[np.ndarray, int]] | None:
@@ -795,7 +830,8 @@ class Sampler:
     return _Plan(tokens=None, positions=None, suffix_mask=None, cursor=0, rows=None,
                  keep=np.zeros((bb, width), bool), reused=0,
                  prefilled=int(sum(len(p) for p in prompts)), groups=tuple(parts),
-                 gather=gather, joined_rows=self._pad_batch(len(prompts)))
+                 gather=gather, joined_rows=self._pad_batch(len(prompts)),
+                 prefill_flops=self._prefill_flops([len(p) for p in prompts]))
 
   def _plan(self, prompts, continue_rows, kept: _Kept | None, bb: int,
             max_new_tokens: int, keep_cache: bool = False) -> _Plan:
@@ -884,6 +920,7 @@ class Sampler:
       prompts = list(prompts)
     self._validate(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn,
                    continue_rows, keep_cache)
+    t_start = time.perf_counter()
     kept, self._kept = self._kept, None  # freed once this call is done with it
     max_new_tokens = int(max_new_tokens)
     n = len(prompts)
@@ -918,6 +955,8 @@ class Sampler:
                            np.int32(plan.cursor), self._put(plan.expand), np.int32(n), key,
                            knobs, mode=mode)
     del kept  # the gathered rows are all this call needs
+    jax.block_until_ready(loop.step)  # the split of the call's time between its two phases
+    t_prefilled = time.perf_counter()
 
     stopped = np.zeros(bb, bool)
     decode = self._decode_few_rows if bb <= _FEW_ROWS else self._decode
@@ -942,10 +981,15 @@ class Sampler:
 
     toks, lp, plp, lengths, steps = jax.device_get(
         (loop.tokens, loop.logprobs, loop.policy_logprobs, loop.lengths, loop.step))
+    t_decoded = time.perf_counter()
     out = SampleOutput(tokens=[], logprobs=[], policy_logprobs=[],
                        texts=[] if decode_fn is not None else None, finish_reasons=[],
                        num_steps=int(steps), reused_tokens=plan.reused,
-                       prefilled_tokens=plan.prefilled)
+                       prefilled_tokens=plan.prefilled,
+                       prefill_seconds=t_prefilled - t_start,
+                       decode_seconds=t_decoded - t_prefilled,
+                       prefill_flops=plan.prefill_flops,
+                       decode_bytes=self._decode_bytes(prompts, lengths[:n], int(steps)))
     eos = np.asarray(self.eos_token_ids)
     for i in range(n):
       m = int(lengths[i])

@@ -71,7 +71,8 @@ from salt_jax import state as state_lib
 from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, run_prompt_config, stop_token_ids
 from salt_jax.config import TrainConfig
-from salt_jax.models import lora
+from salt_jax.models import cost, lora
+from salt_jax.models.config import ModelConfig
 from salt_jax.models.build import build_policy, build_tokenizer
 from salt_jax.rollout import SamplingParams, collect
 from salt_jax.sampling import length_buckets
@@ -140,6 +141,32 @@ def skipped_groups(step_adv: np.ndarray, step_group_ids: np.ndarray) -> int:
   return int(live.size - np.unique(step_group_ids[step_adv != 0]).size)
 
 
+def _work_and_rate(work_key: str, work: float, rate_key: str, seconds: float) -> dict:
+  """{work_key: work, rate_key: work / seconds in billions a second} for a phase's model work
+  (FLOPs or bytes) and its time; only what is known (a sampler or model may not report its
+  work), so that no row holds a NaN."""
+  if not np.isfinite(work):
+    return {}
+  out = {work_key: float(work)}
+  if np.isfinite(seconds) and seconds > 0:
+    out[rate_key] = float(work) / seconds / 1e9
+  return out
+
+
+def update_flops(config, tb, epochs: int, critic: bool) -> float:
+  """Model FLOPs of an update over token batch `tb` (`salt_jax.models.cost.train_flops`): the
+  policy's step over every row, logits at the loss positions, for each of `epochs`; with a
+  critic, its step over the same rows (no vocabulary projection) too. NaN without a
+  ModelConfig."""
+  if not isinstance(config, ModelConfig):
+    return float("nan")
+  lengths = np.asarray(tb.attention_mask).sum(axis=1).tolist()
+  flops = cost.train_flops(config, lengths, tb.num_loss_tokens)
+  if critic:
+    flops += cost.train_flops(config, lengths, 0)
+  return epochs * flops
+
+
 def rollout_metrics(full, batch) -> dict:
   """The rollout's metrics: `full` as played, `batch` its trainable part (failed ones out)."""
   rm = full.metrics
@@ -156,6 +183,15 @@ def rollout_metrics(full, batch) -> dict:
   for tt, v in rm["success_rate_by_type"].items():
     m[f"success_rate/{tt}"] = v
   m["invalid_rewards"] = int(count_invalid_rewards(batch.outcome_rewards))
+  # A sampler's split of its time, and each phase's model work and rate, where it reports them.
+  for key, seconds in (("time/rollout_prefill", rm["prefill_time_s"]),
+                       ("time/rollout_decode", rm["decode_time_s"])):
+    if np.isfinite(seconds):
+      m[key] = seconds
+  m.update(_work_and_rate("flops/prefill", rm["prefill_flops"], "rate/prefill_gflops",
+                          rm["prefill_time_s"]))
+  m.update(_work_and_rate("bytes/decode", rm["decode_bytes"], "rate/decode_gbs",
+                          rm["decode_time_s"]))
   return m
 
 
@@ -606,6 +642,11 @@ class Trainer:
               mb["ref_logprobs"] = jnp.where(mb["loss_mask"], lp, 0.0)
         with times("update"):
           upd = self._update(mbs, step_adv, k_shuffle, train_policy=train_policy)
+        if train_policy:
+          m.update(_work_and_rate(
+              "flops/update", update_flops(getattr(self.model, "config", None), tb,
+                                           cfg.ppo_epochs, critic),
+              "rate/update_gflops", times["update"]))
     m.update(upd, skipped_updates_total=self.skipped_updates_total,
              lr=float(self.schedule(self.applied_updates)))
     timed = ("rollout", "salt", "advantage", "old_logprob", "ref_logprob", "update")

@@ -724,3 +724,26 @@ def test_filter_cutoff_keeps_what_a_sorted_filter_keeps(ties):
       cutoff = z[r][ref].min()  # the reference keeps a prefix of the sorted values: all >= this
       np.testing.assert_array_equal(z[r] >= got[r, 0], z[r] >= cutoff, err_msg=f"k={k} p={p} "
                                                                                  f"row {r}")
+
+
+def test_calls_report_their_phases_time_and_work(setup):
+  """Each call splits its time into prefill and decode and reports the model work of each: the
+  FLOPs of the prompts it prefilled (each distinct prompt once; a continued row's suffix after
+  its cached tokens) and the bytes its decode had to read."""
+  from salt_jax.models import cost  # pylint: disable=import-outside-toplevel
+  model, _, _, eos, _ = setup
+  s = Sampler(model, eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=REUSE_CACHE,
+              prompt_buckets=(SUFFIX_BUCKET, FULL_BUCKET), batch_buckets=(1, 2, 4))
+  prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+  out = s(prompts, jax.random.key(0), max_new_tokens=TURN_MAX_NEW, greedy=True, keep_cache=True)
+  assert out.prefill_seconds > 0 and out.decode_seconds > 0
+  assert out.prefill_flops == pytest.approx(cost.forward_flops(CONFIG, [7, 2]))
+  new = [len(t) for t in out.tokens]  # greedy, no stop strings: the loop's own row lengths
+  assert out.decode_bytes == pytest.approx(cost.decode_bytes(
+      CONFIG, [len(p) for p in prompts], new, out.num_steps - 1, 4, 4))
+  grown = _grow(prompts, out, [[3, 4], [5], [6, 7, 8]])
+  more = s(grown, jax.random.key(0), max_new_tokens=2, greedy=True, continue_rows=[0, 1, 2])
+  bases = [len(p) + len(t) - 1 for p, t in zip(prompts, out.tokens)]
+  assert more.reused_tokens == sum(bases)
+  assert more.prefill_flops == pytest.approx(
+      cost.forward_flops(CONFIG, [len(g) - b for g, b in zip(grown, bases)], bases))

@@ -37,6 +37,7 @@ from envs import demos as demos_lib
 from salt_jax import sft
 from salt_jax.sharding import make_mesh
 from salt_jax.config import TrainConfig
+from salt_jax.models import cost
 from salt_jax.models.build import build_policy, build_tokenizer, save_params
 from salt_jax.train import Trainer, use_compilation_cache
 from tests import across_workers
@@ -71,6 +72,8 @@ REQUIRED = [
     "clip_fraction", "entropy", "loss", "grad_norm", "lr", "skipped_groups", "invalid_rewards",
     "failed_trajectories", "skipped_updates", "time/rollout", "time/old_logprob",
     "time/ref_logprob", "time/advantage", "time/salt", "time/update",
+    "time/rollout_prefill", "time/rollout_decode", "flops/prefill", "bytes/decode",
+    "rate/prefill_gflops", "rate/decode_gbs", "flops/update", "rate/update_gflops",
     "success_rate/walk", "success_rate/key-door"]
 # What SALT may change: the advantages after it, and what the update makes of them.
 FOLLOWS_FROM_ADVANTAGES = {
@@ -82,7 +85,8 @@ FOLLOWS_FROM_ADVANTAGES = {
 
 
 def _untimed(row):
-  return {k: v for k, v in row.items() if not k.startswith("time/")}
+  """The row without what depends on the wall clock: its times and the rates made of them."""
+  return {k: v for k, v in row.items() if not k.startswith(("time/", "rate/"))}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +137,7 @@ def run_a(warm, tmp_path_factory):
 
 
 def test_metrics_written_with_all_keys(run_a):
-  cfg, _, rows, seen = run_a
+  cfg, tr, rows, seen = run_a
   logged = metrics_lib.read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
   assert [r["iteration"] for r in logged] == [0, 1, 2]
   for r in logged:
@@ -145,6 +149,17 @@ def test_metrics_written_with_all_keys(run_a):
     assert 0 <= r["response_differing_merges"] <= r["merged_steps"]
     # A group's G copies of each task's first prompt are prefilled once.
     assert 0 < r["prefilled_prompt_tokens"] < r["prompt_tokens"]
+    # Each phase's rate is its model work over its time (salt_jax.models.cost).
+    assert r["time/rollout_prefill"] + r["time/rollout_decode"] <= r["time/rollout_generate"]
+    for work, rate, phase in (("flops/prefill", "rate/prefill_gflops", "time/rollout_prefill"),
+                              ("bytes/decode", "rate/decode_gbs", "time/rollout_decode"),
+                              ("flops/update", "rate/update_gflops", "time/update")):
+      assert r[rate] == pytest.approx(r[work] / r[phase] / 1e9)
+  minibatches = seen[0][1]  # the first update's rows
+  lengths = [int(n) for mb in minibatches for n in np.asarray(mb["attention_mask"]).sum(axis=1)]
+  loss_tokens = sum(int(np.asarray(mb["loss_mask"]).sum()) for mb in minibatches)
+  assert rows[0]["flops/update"] == pytest.approx(cfg.ppo_epochs * cost.train_flops(
+      tr.model.config, lengths, loss_tokens))
   assert logged == [json.loads(json.dumps(r)) for r in rows]
   assert rows[2]["kl"] > 0.0  # the policy has moved off its reference
   # TensorBoard, as its own reader sees it: every scalar once at its step, and the histograms of
