@@ -98,7 +98,8 @@ class SampleOutput:
       earlier one in the call is prefilled once; padding not counted).
     prefill_seconds: wall time from the call's start until its prompts were in the cache and
       the first tokens drawn (planning, the prefill program, a compile if it had to).
-    decode_seconds: wall time from then until the new tokens were back on the host.
+    decode_seconds: wall time from then until the new tokens were back on the host (both NaN
+      from an engine that does not split its time).
     prefill_flops: model FLOPs of the prefilled tokens (`salt_jax.models.cost.forward_flops`:
       no padding, no masked attention); NaN for a model without a `ModelConfig`.
     decode_bytes: bytes the decode steps had to read (`salt_jax.models.cost.decode_bytes`: the
@@ -113,8 +114,8 @@ class SampleOutput:
   num_steps: int = 0
   reused_tokens: int = 0
   prefilled_tokens: int = 0
-  prefill_seconds: float = 0.0
-  decode_seconds: float = 0.0
+  prefill_seconds: float = float("nan")
+  decode_seconds: float = float("nan")
   prefill_flops: float = float("nan")
   decode_bytes: float = float("nan")
 
