@@ -20,7 +20,6 @@ step's instruction count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ from flax import nnx  # noqa: E402
 
 from bench_gpu import best_seconds  # noqa: E402
 from bench_rollout_engines import SMOLLM2, cache_bytes, measure_limits, weight_bytes  # noqa: E402
+from salt_jax.metrics import write_json  # noqa: E402
 from salt_jax.models import CausalLM, ModelConfig  # noqa: E402
 from salt_jax.sampling import _choose, _Knobs, _Mode  # noqa: E402
 
@@ -167,8 +167,7 @@ def main(argv=None) -> int:
     print(f"{label:28s} {ms:8.3f} ms")
     out["cases"][label] = {"ms": ms}
   if args.out:
-    with open(args.out, "w", encoding="utf-8") as fh:
-      json.dump(out, fh, indent=1)
+    write_json(args.out, out)
   return 0
 
 

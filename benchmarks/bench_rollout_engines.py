@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import QUICK, best_seconds  # noqa: E402  (tiny shapes; best of timed calls)
 # The model's work: forward FLOPs of the prefilled prompts, bytes a decode step reads.
+from salt_jax.metrics import write_json  # noqa: E402
 from salt_jax.models.cost import cache_bytes, forward_flops, weight_bytes  # noqa: E402,F401
 
 # SmolLM2-135M-Instruct's shape (its GGUF's config), for --random.
@@ -173,8 +174,7 @@ def iteration_main(args) -> int:
       result["runs"].append(row)
       print(json.dumps(row), flush=True)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
+    write_json(args.json, result)
   return 0
 
 
@@ -266,8 +266,7 @@ def main(argv=None) -> int:
         engine.close()
       del engine
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
+    write_json(args.json, result)
   return 0
 
 

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import best_seconds  # noqa: E402  (best of timed calls after a warming one)
 from bench_rollout_engines import prompts_for  # noqa: E402  (the same prompts)
+from salt_jax.metrics import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -113,8 +114,7 @@ def main(argv=None) -> int:
   print(f"  adapters: sync {result['adapters_sync_s']:.2f} s (writing "
         f"{result['adapters_write_s']:.2f} s), call {result['adapters_call_s']:.2f} s", flush=True)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
+    write_json(args.json, result)
   return 0
 
 
