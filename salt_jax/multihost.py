@@ -150,8 +150,10 @@ def share(items: Sequence, process: int, num_processes: int) -> list:
 _GROUP_IDS = ("step_group_ids", "traj_group_ids")
 _TRAJ_IDS = ("step_traj_ids",)
 _SUMMED = ("num_trajectories", "num_failed", "num_steps", "response_tokens", "env_restarts",
-           "prompt_tokens", "reused_prompt_tokens", "prefilled_prompt_tokens")
-_SLOWEST = ("gen_time_s", "env_time_s", "other_time_s", "total_time_s", "turns")
+           "prompt_tokens", "reused_prompt_tokens", "prefilled_prompt_tokens", "prefill_flops",
+           "decode_bytes")
+_SLOWEST = ("gen_time_s", "env_time_s", "other_time_s", "total_time_s", "turns",
+            "prefill_time_s", "decode_time_s")
 
 
 def concat_rollouts(batches: Sequence):
@@ -159,7 +161,8 @@ def concat_rollouts(batches: Sequence):
 
   Group and trajectory ids are renumbered to stay unique; counts add up; rates (success,
   valid actions, mean steps, per task type) are over the whole batch; times are the slowest
-  process's (the iteration waits for it).
+  process's (the iteration waits for it), so a phase's work over its time is the processes'
+  rate together.
   """
   batches = [b for b in batches if b is not None]
   if not batches:

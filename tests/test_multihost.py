@@ -207,6 +207,8 @@ def test_concat_rollouts_equals_one_collect_over_all_tasks():
             "num_trajectories", "num_steps", "response_tokens", "num_failed", "prompt_tokens",
             "prefilled_prompt_tokens"):
     assert got.metrics[k] == whole.metrics[k], k
+  # the sampler's phase split and work (NaN from this one, which reports none) carried over
+  assert {"prefill_time_s", "decode_time_s", "prefill_flops", "decode_bytes"} <= set(got.metrics)
   assert 0 < whole.metrics["success_rate"] < 1
   assert multihost.concat_rollouts([None, whole]) is whole
   with pytest.raises(ValueError, match="no rollout"):
