@@ -725,18 +725,22 @@ class Sampler:
     """Cache length for a call that writes up to slot `need` - 1 (a bucket, >= at_least)."""
     return max(_bucket(need, self.cache_buckets), at_least)
 
-  def _prefill_flops(self, lengths, bases=None) -> float:
-    """Model FLOPs of prefilling suffixes of `lengths` after `bases` cached tokens (NaN for a
-    model without a ModelConfig)."""
+  @property
+  def _cost_config(self) -> ModelConfig | None:
+    """The model's ModelConfig, what its work is counted from (None: another model kind, whose
+    work is reported as NaN)."""
     config = getattr(self.model, "config", None)
-    if not isinstance(config, ModelConfig):
-      return float("nan")
-    return cost.forward_flops(config, lengths, bases)
+    return config if isinstance(config, ModelConfig) else None
+
+  def _prefill_flops(self, lengths, bases=None) -> float:
+    """Model FLOPs of prefilling suffixes of `lengths` after `bases` cached tokens."""
+    config = self._cost_config
+    return float("nan") if config is None else cost.forward_flops(config, lengths, bases)
 
   def _decode_bytes(self, prompts, lengths, steps: int) -> float:
-    """Bytes this call's decode had to read (`cost.decode_bytes`; NaN without a ModelConfig)."""
-    config = getattr(self.model, "config", None)
-    if not isinstance(config, ModelConfig):
+    """Bytes this call's decode had to read (`cost.decode_bytes`)."""
+    config = self._cost_config
+    if config is None:
       return float("nan")
     weights = jnp.dtype(getattr(self.model, "param_dtype", jnp.float32)).itemsize
     cache = jnp.dtype(self.cache_dtype or getattr(self.model, "dtype", jnp.float32)).itemsize

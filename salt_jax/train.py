@@ -153,13 +153,10 @@ def _work_and_rate(work_key: str, work: float, rate_key: str, seconds: float) ->
   return out
 
 
-def update_flops(config, tb, epochs: int, critic: bool) -> float:
+def update_flops(config: ModelConfig, tb, epochs: int, critic: bool) -> float:
   """Model FLOPs of an update over token batch `tb` (`salt_jax.models.cost.train_flops`): the
   policy's step over every row, logits at the loss positions, for each of `epochs`; with a
-  critic, its step over the same rows (no vocabulary projection) too. NaN without a
-  ModelConfig."""
-  if not isinstance(config, ModelConfig):
-    return float("nan")
+  critic, its step over the same rows (no vocabulary projection) too."""
   lengths = np.asarray(tb.attention_mask).sum(axis=1).tolist()
   flops = cost.train_flops(config, lengths, tb.num_loss_tokens)
   if critic:
@@ -644,8 +641,7 @@ class Trainer:
           upd = self._update(mbs, step_adv, k_shuffle, train_policy=train_policy)
         if train_policy:
           m.update(_work_and_rate(
-              "flops/update", update_flops(getattr(self.model, "config", None), tb,
-                                           cfg.ppo_epochs, critic),
+              "flops/update", update_flops(self.model.config, tb, cfg.ppo_epochs, critic),
               "rate/update_gflops", times["update"]))
     m.update(upd, skipped_updates_total=self.skipped_updates_total,
              lr=float(self.schedule(self.applied_updates)))
