@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -259,16 +260,47 @@ def use_compilation_cache(folder: str, min_compile_seconds: float = 1.0) -> str:
   return path
 
 
+_XLA_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_xla_compile_total = [0.0]
+_xla_compile_lock = threading.Lock()
+_xla_compile_listening = False
+
+
+def _on_duration_event(event: str, duration_secs: float, **_) -> None:
+  if event == _XLA_COMPILE_EVENT:
+    with _xla_compile_lock:
+      _xla_compile_total[0] += duration_secs
+
+
+def xla_compile_seconds() -> float:
+  """Seconds this process has spent in XLA compiles (or loads from the compilation cache) of
+  jitted programs since its first call, from JAX's own duration event. Tracing and lowering are
+  left out: nested jits would count their tracing twice. A phase's share of its wall time tells
+  a compile-bound phase from a slow one."""
+  global _xla_compile_listening
+  with _xla_compile_lock:
+    if not _xla_compile_listening:
+      jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
+      _xla_compile_listening = True
+    return _xla_compile_total[0]
+
+
 class _PhaseTimes(dict):
-  """{phase: seconds}; `with times("update"): ...` records one phase."""
+  """{phase: seconds}; `with times("update"): ...` records one phase, and in `compiles`
+  ({phase: seconds}) the XLA compile time inside it."""
+
+  def __init__(self):
+    super().__init__()
+    self.compiles: dict[str, float] = {}
 
   @contextlib.contextmanager
   def __call__(self, phase: str):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), xla_compile_seconds()
     try:
       yield
     finally:
       self[phase] = self.get(phase, 0.0) + time.perf_counter() - t0
+      self.compiles[phase] = self.compiles.get(phase, 0.0) + xla_compile_seconds() - c0
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -579,7 +611,7 @@ class Trainer:
     """Runs one training iteration; returns (and logs) its metrics."""
     cfg, it = self.config, self.iteration_index
     self.times = times = _PhaseTimes()
-    t_iter = time.perf_counter()
+    t_iter, compile_iter = time.perf_counter(), xla_compile_seconds()
     key, k_rollout, k_shuffle = jax.random.split(self.state.key, 3)
     self.state = self.state._replace(key=key)
     tasks = self.task_sampler.next(cfg.tasks_per_iter)
@@ -661,6 +693,11 @@ class Trainer:
     if self._last_save_s is not None:
       m["time/checkpoint"] = self._last_save_s
     m["time/iteration"] = time.perf_counter() - t_iter
+    # XLA compiles inside the iteration (a new prompt bucket or micro-batch length, a first call)
+    # and inside the phases whose rates they slow: the rates above include them.
+    m["time/xla_compile"] = xla_compile_seconds() - compile_iter
+    for p in ("rollout", "update"):
+      m[f"time/xla_compile_{p}"] = times.compiles.get(p, 0.0)
     # Logged before the checkpoint that covers it: a kill in between leaves a row that the resume
     # drops and writes again; logged after, a kill in between would lose the row.
     row = self._logger.log(it, m, histograms)

@@ -73,6 +73,7 @@ REQUIRED = [
     "failed_trajectories", "skipped_updates", "time/rollout", "time/old_logprob",
     "time/ref_logprob", "time/advantage", "time/salt", "time/update",
     "time/rollout_prefill", "time/rollout_decode", "flops/prefill", "bytes/decode",
+    "time/xla_compile", "time/xla_compile_rollout", "time/xla_compile_update",
     "rate/prefill_gflops", "rate/decode_gbs", "flops/update", "rate/update_gflops",
     "success_rate/walk", "success_rate/key-door"]
 # What SALT may change: the advantages after it, and what the update makes of them.
@@ -155,6 +156,13 @@ def test_metrics_written_with_all_keys(run_a):
                               ("bytes/decode", "rate/decode_gbs", "time/rollout_decode"),
                               ("flops/update", "rate/update_gflops", "time/update")):
       assert r[rate] == pytest.approx(r[work] / r[phase] / 1e9)
+    # XLA compiles: inside the iteration and the phases that hold them.
+    for phase in ("rollout", "update"):
+      assert 0.0 <= r[f"time/xla_compile_{phase}"] <= r[f"time/{phase}"]
+    assert (r["time/xla_compile_rollout"] + r["time/xla_compile_update"]
+            <= r["time/xla_compile"] + 1e-9 <= r["time/iteration"] + 1e-9)
+  # The first iteration compiles the trainer's programs (its update's, at least).
+  assert logged[0]["time/xla_compile_update"] > 0.0
   minibatches = seen[0][1]  # the first update's rows
   lengths = [int(n) for mb in minibatches for n in np.asarray(mb["attention_mask"]).sum(axis=1)]
   loss_tokens = sum(int(np.asarray(mb["loss_mask"]).sum()) for mb in minibatches)
