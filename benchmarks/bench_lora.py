@@ -21,6 +21,8 @@ the batch and the value-loss step.
   python benchmarks/bench_lora.py --ranks 0 8 --rows 4 --length 256 --reps 1 --random
   python benchmarks/bench_lora.py --ranks 0 --rows 2 --microbatch-rows 2 --length 768 \
       --response 32 [--all-positions]                  # the ALFWorld step rows' shape
+  python benchmarks/bench_lora.py --ranks 0 --rows 2 --microbatch-rows 2 --length 576 \
+      --response 32 --profile /tmp/prof              # + each XLA thread's busy time, by op
 """
 
 from __future__ import annotations
@@ -119,6 +121,15 @@ def one_setting(args, rank: int) -> dict:
     params, opt_state, out = train_step(params, opt_state, mb, step_adv, frozen)
     jax.block_until_ready(out["loss"])
     times.append(time.perf_counter() - t1)
+  profile = None
+  if args.profile:  # `--reps` more calls under the profiler: where the step's time goes
+    import xla_cpu_profile  # pylint: disable=import-outside-toplevel
+    trace_dir = os.path.join(args.profile, f"rank{rank}")
+    with jax.profiler.trace(trace_dir):
+      for _ in range(args.reps):
+        params, opt_state, out = train_step(params, opt_state, mb, step_adv, frozen)
+        jax.block_until_ready(out["loss"])
+    profile = xla_cpu_profile.summarize(xla_cpu_profile.read_trace(trace_dir), args.reps)
   timed = {}
   if args.critic:
     def run_values():
@@ -149,7 +160,8 @@ def one_setting(args, rank: int) -> dict:
           "length": args.length, "response": args.response,
           "microbatch_rows": args.microbatch_rows,
           "logits": "all positions" if args.all_positions else "loss positions",
-          "model": "tiny random" if args.random else os.path.basename(args.model)}
+          "model": "tiny random" if args.random else os.path.basename(args.model),
+          **({"profile": profile} if profile else {})}
 
 
 def main(argv=None) -> int:
@@ -168,6 +180,9 @@ def main(argv=None) -> int:
                   help="project every position onto the vocabulary, not the loss positions alone")
   ap.add_argument("--critic", action="store_true",
                   help="also time PPO's critic: its value pass and value-loss step")
+  ap.add_argument("--profile", default=None, metavar="DIR",
+                  help="also trace --reps steps into DIR/rank<R> and report each XLA thread's "
+                       "busy time and the ops' (benchmarks/xla_cpu_profile.py)")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's rank
   ap.add_argument("--out", default=None, help="append the JSON lines here")
   args = ap.parse_args(argv)
@@ -179,6 +194,9 @@ def main(argv=None) -> int:
     from salt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
     args.model = str(smollm2_path())
   if args.one is not None:
+    if args.profile:  # XLA reads its flags when the backend starts: before the first array
+      from xla_cpu_profile import TRACE_FLAG  # pylint: disable=import-outside-toplevel
+      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
     print(json.dumps(one_setting(args, args.one)), flush=True)
     return 0
   rows = []
@@ -205,6 +223,11 @@ def main(argv=None) -> int:
     for r in rows:
       print(f"{r['setting']:<18} {r['values_s']:>9.2f} {r['critic_step_s']:>14.2f} "
             f"{r['critic_mib']:>11.1f} {r['critic_optimizer_mib']:>17.1f}")
+  for r in rows:
+    if "profile" in r:
+      import xla_cpu_profile  # pylint: disable=import-outside-toplevel
+      print(f"\n{r['setting']}: the step under the profiler")
+      xla_cpu_profile.print_summary(r["profile"])
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:
       for r in rows:

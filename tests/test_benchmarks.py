@@ -169,6 +169,51 @@ def test_bench_lora_times_the_critic_beside_each_setting(tmp_path, capsys):
   assert "critic step s" in capsys.readouterr().out
 
 
+def test_xla_cpu_profile_sweeps_each_threads_ops():
+  """Busy time, concurrency and per-kind seconds from op events, against a timeline worked by
+  hand: thread A runs dot.1 [0, 4) and add.2 [6, 8); thread B runs while.3 [2, 10) holding
+  dot.4 [3, 5). Nested events count once toward busy time, under the inner op while alone."""
+  import xla_cpu_profile as prof  # pylint: disable=import-outside-toplevel
+  ev = prof.OpEvent
+  events = [ev("A", "dot.1", 0, 4), ev("A", "add.2", 6, 2), ev("B", "while.3", 2, 8),
+            ev("B", "dot.4", 3, 2)]
+  s = prof.summarize(events, calls=2)
+  assert s["span_s"] == pytest.approx(5e-9)  # [0, 10) over 2 calls
+  assert s["threads"] == {"A": pytest.approx(3e-9), "B": pytest.approx(4e-9)}
+  assert s["busy_fraction"] == pytest.approx(14 / 20)
+  # 0 busy: none; 1 busy: [0,2) A, [4,6) B, [8,10) B; 2 busy: [2,4), [6,8).
+  assert s["seconds_with_threads_busy"] == {0: 0.0, 1: pytest.approx(3e-9),
+                                            2: pytest.approx(2e-9)}
+  ops = {o["kind"]: o for o in s["ops"]}
+  assert ops["dot"]["seconds"] == pytest.approx(3e-9) and ops["while"]["seconds"] == \
+      pytest.approx(4e-9) and ops["add"]["seconds"] == pytest.approx(1e-9)
+  # Alone: dot [0, 2) (A's dot.1), while [4, 6) and [8, 10) (B's while, dot.4 closed at 5; 4-5
+  # is B's inner dot.4, alone too).
+  assert ops["dot"]["alone_s"] == pytest.approx(1.5e-9)
+  assert ops["while"]["alone_s"] == pytest.approx(1.5e-9)
+  with pytest.raises(ValueError, match="no op events"):
+    prof.summarize([])
+  with pytest.raises(ValueError, match="calls"):
+    prof.summarize(events, calls=0)
+  assert prof.op_kind("ynn_fusion.1084") == "ynn_fusion" and prof.op_kind("dot") == "dot"
+
+
+def test_bench_lora_profiles_the_step(tmp_path, capsys):
+  """--profile traces the step on XLA's threads: busy time and op kinds come back per call."""
+  import bench_lora  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "rows.jsonl"
+  assert bench_lora.main(["--random", "--ranks", "0", "--rows", "2", "--microbatch-rows", "2",
+                          "--length", "64", "--response", "8", "--reps", "2",
+                          "--profile", str(tmp_path / "trace"), "--out", str(out)]) == 0
+  (row,) = (json.loads(line) for line in out.read_text().splitlines())
+  prof = row["profile"]
+  assert prof["calls"] == 2 and prof["span_s"] > 0 and prof["ops"]
+  assert 0 < prof["busy_fraction"] <= 1
+  assert sum(prof["seconds_with_threads_busy"].values()) == pytest.approx(prof["span_s"],
+                                                                           rel=1e-3, abs=1e-6)
+  assert "threads busy" in capsys.readouterr().out
+
+
 def test_bench_compiles_counts_each_programs_compiles():
   """One toy iteration with the compile log on: every compile is counted under its program
   (the cloning's apart), the sampler's settings reach the run's samplers, and a bad one is named
