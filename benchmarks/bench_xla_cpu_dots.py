@@ -7,8 +7,9 @@ once, when the backend starts) and prints GFLOP/s (best of --repeats after a com
 the largest difference from a float64 numpy product, relative to its largest value. torch's rate
 on the same shapes is the reference line.
 
-Shapes: SmolLM2's prefill MLP ([8 x 641, 576] x [576, 1536]), its decode step at 8 rows
-([8, 576] x [576, 1536]) and a 2048 square.
+Shapes: SmolLM2's prefill MLP ([8 x 641, 576] x [576, 1536]), an update micro-batch's (2 rows of
+576 tokens: [1152, 576] x [576, 1536]), its decode step at 8 rows ([8, 576] x [576, 1536]) and a
+2048 square.
 
 With --decode-rows, instead: a decode step's weight reads by batch size. Each call multiplies
 [rows, 576] by 90 distinct [576, 1536] f32 matrices (SmolLM2's 30 layers x 3 MLP-sized
@@ -41,7 +42,8 @@ FLAG_SETS = {
     "xnnpack dot fusion": "--xla_cpu_experimental_xnn_fusion_type=dot",
     "ynnpack dot fusion": "--xla_cpu_experimental_ynn_fusion_type=dot",
 }
-SHAPES = {"prefill": (5128, 576, 1536), "decode": (8, 576, 1536), "square": (2048, 2048, 2048)}
+SHAPES = {"prefill": (5128, 576, 1536), "update": (1152, 576, 1536), "decode": (8, 576, 1536),
+          "square": (2048, 2048, 2048)}
 
 CHILD = r"""
 import json, sys, time

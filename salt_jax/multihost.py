@@ -153,7 +153,7 @@ _SUMMED = ("num_trajectories", "num_failed", "num_steps", "response_tokens", "en
            "prompt_tokens", "reused_prompt_tokens", "prefilled_prompt_tokens", "prefill_flops",
            "decode_bytes")
 _SLOWEST = ("gen_time_s", "env_time_s", "other_time_s", "total_time_s", "turns",
-            "prefill_time_s", "decode_time_s")
+            "prefill_time_s", "decode_time_s", "prefill_compile_s", "decode_compile_s")
 
 
 def concat_rollouts(batches: Sequence):

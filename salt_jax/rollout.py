@@ -48,7 +48,8 @@ INVALID_STEP_MODES = ("admissible", "format")
 # verl-agent's invalid step: its projection found no action (the env's verdict is not consulted).
 _FORMAT_OK = (parsing.OK, parsing.NOT_ADMISSIBLE)
 # What a sampler may report of each call's two phases (summed over a rollout's calls).
-_SAMPLER_PHASE_FIELDS = ("prefill_seconds", "decode_seconds", "prefill_flops", "decode_bytes")
+_SAMPLER_PHASE_FIELDS = ("prefill_seconds", "decode_seconds", "prefill_compile_seconds",
+                         "decode_compile_seconds", "prefill_flops", "decode_bytes")
 
 
 class SampleOutputLike(Protocol):
@@ -126,8 +127,9 @@ class RolloutBatch:
     prompt_tokens (over all turns), reused_prompt_tokens (read from a kept KV cache rather
     than prefilled) and prefilled_prompt_tokens (run through the model: a prompt repeated in
     one sampler call counts once), prefill_time_s / decode_time_s (gen_time_s split by the
-    sampler) and prefill_flops / decode_bytes (the model work each phase had to do), NaN for a
-    sampler that does not report them, ...
+    sampler; prefill_compile_s / decode_compile_s the XLA compiles inside them) and
+    prefill_flops / decode_bytes (the model work each phase had to do), NaN for a sampler that
+    does not report them, ...
   """
 
   prompt_ids: list = _per_step()
@@ -494,6 +496,8 @@ def collect(env_pool, tasks: Sequence[Task], group_size: int, sampler: SamplerFn
       prompt_tokens=prompt_tokens, reused_prompt_tokens=reused_tokens,
       prefilled_prompt_tokens=prefilled_tokens,
       prefill_time_s=phase_sums["prefill_seconds"], decode_time_s=phase_sums["decode_seconds"],
+      prefill_compile_s=phase_sums["prefill_compile_seconds"],
+      decode_compile_s=phase_sums["decode_compile_seconds"],
       prefill_flops=phase_sums["prefill_flops"], decode_bytes=phase_sums["decode_bytes"],
       gen_time_s=gen_s, env_time_s=env_s, other_time_s=total_s - gen_s - env_s,
       total_time_s=total_s, env_wait_fraction=env_wait_fraction(env_s, gen_s),

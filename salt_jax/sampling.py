@@ -68,6 +68,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from salt_jax.compiles import xla_compile_seconds
 from salt_jax.models import cost
 from salt_jax.models.config import ModelConfig
 from salt_jax.sharding import DATA_AXIS
@@ -100,6 +101,8 @@ class SampleOutput:
       the first tokens drawn (planning, the prefill program, a compile if it had to).
     decode_seconds: wall time from then until the new tokens were back on the host (both NaN
       from an engine that does not split its time).
+    prefill_compile_seconds, decode_compile_seconds: the XLA compiles inside each of the two
+      (`salt_jax.compiles`): a call with a new shape compiles its programs; NaN likewise.
     prefill_flops: model FLOPs of the prefilled tokens (`salt_jax.models.cost.forward_flops`:
       no padding, no masked attention); NaN for a model without a `ModelConfig`.
     decode_bytes: bytes the decode steps had to read (`salt_jax.models.cost.decode_bytes`: the
@@ -116,6 +119,8 @@ class SampleOutput:
   prefilled_tokens: int = 0
   prefill_seconds: float = float("nan")
   decode_seconds: float = float("nan")
+  prefill_compile_seconds: float = float("nan")
+  decode_compile_seconds: float = float("nan")
   prefill_flops: float = float("nan")
   decode_bytes: float = float("nan")
 
@@ -925,7 +930,7 @@ class Sampler:
       prompts = list(prompts)
     self._validate(prompts, max_new_tokens, temperature, top_p, top_k, stop_strings, decode_fn,
                    continue_rows, keep_cache)
-    t_start = time.perf_counter()
+    t_start, c_start = time.perf_counter(), xla_compile_seconds()
     kept, self._kept = self._kept, None  # freed once this call is done with it
     max_new_tokens = int(max_new_tokens)
     n = len(prompts)
@@ -961,7 +966,7 @@ class Sampler:
                            knobs, mode=mode)
     del kept  # the gathered rows are all this call needs
     jax.block_until_ready(loop.step)  # the split of the call's time between its two phases
-    t_prefilled = time.perf_counter()
+    t_prefilled, c_prefilled = time.perf_counter(), xla_compile_seconds()
 
     stopped = np.zeros(bb, bool)
     decode = self._decode_few_rows if bb <= _FEW_ROWS else self._decode
@@ -986,13 +991,15 @@ class Sampler:
 
     toks, lp, plp, lengths, steps = jax.device_get(
         (loop.tokens, loop.logprobs, loop.policy_logprobs, loop.lengths, loop.step))
-    t_decoded = time.perf_counter()
+    t_decoded, c_decoded = time.perf_counter(), xla_compile_seconds()
     out = SampleOutput(tokens=[], logprobs=[], policy_logprobs=[],
                        texts=[] if decode_fn is not None else None, finish_reasons=[],
                        num_steps=int(steps), reused_tokens=plan.reused,
                        prefilled_tokens=plan.prefilled,
                        prefill_seconds=t_prefilled - t_start,
                        decode_seconds=t_decoded - t_prefilled,
+                       prefill_compile_seconds=c_prefilled - c_start,
+                       decode_compile_seconds=c_decoded - c_prefilled,
                        prefill_flops=plan.prefill_flops,
                        decode_bytes=self._decode_bytes(prompts, lengths[:n], int(steps)))
     eos = np.asarray(self.eos_token_ids)

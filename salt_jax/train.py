@@ -50,7 +50,6 @@ import json
 import logging
 import os
 import platform
-import threading
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -71,6 +70,7 @@ from salt_jax import runlock
 from salt_jax import state as state_lib
 from salt_jax.advantages import count_invalid_rewards
 from salt_jax.agent.prompts import STOP_STRING, run_prompt_config, stop_token_ids
+from salt_jax.compiles import xla_compile_seconds
 from salt_jax.config import TrainConfig
 from salt_jax.models import cost, lora
 from salt_jax.models.config import ModelConfig
@@ -183,7 +183,9 @@ def rollout_metrics(full, batch) -> dict:
   m["invalid_rewards"] = int(count_invalid_rewards(batch.outcome_rewards))
   # A sampler's split of its time, and each phase's model work and rate, where it reports them.
   for key, seconds in (("time/rollout_prefill", rm["prefill_time_s"]),
-                       ("time/rollout_decode", rm["decode_time_s"])):
+                       ("time/rollout_decode", rm["decode_time_s"]),
+                       ("time/xla_compile_prefill", rm["prefill_compile_s"]),
+                       ("time/xla_compile_decode", rm["decode_compile_s"])):
     if np.isfinite(seconds):
       m[key] = seconds
   m.update(_work_and_rate("flops/prefill", rm["prefill_flops"], "rate/prefill_gflops",
@@ -258,31 +260,6 @@ def use_compilation_cache(folder: str, min_compile_seconds: float = 1.0) -> str:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
   compilation_cache.reset_cache()  # a process that compiled before reads the setting again
   return path
-
-
-_XLA_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_xla_compile_total = [0.0]
-_xla_compile_lock = threading.Lock()
-_xla_compile_listening = False
-
-
-def _on_duration_event(event: str, duration_secs: float, **_) -> None:
-  if event == _XLA_COMPILE_EVENT:
-    with _xla_compile_lock:
-      _xla_compile_total[0] += duration_secs
-
-
-def xla_compile_seconds() -> float:
-  """Seconds this process has spent in XLA compiles (or loads from the compilation cache) of
-  jitted programs since its first call, from JAX's own duration event. Tracing and lowering are
-  left out: nested jits would count their tracing twice. A phase's share of its wall time tells
-  a compile-bound phase from a slow one."""
-  global _xla_compile_listening
-  with _xla_compile_lock:
-    if not _xla_compile_listening:
-      jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
-      _xla_compile_listening = True
-    return _xla_compile_total[0]
 
 
 class _PhaseTimes(dict):

@@ -208,7 +208,8 @@ def test_concat_rollouts_equals_one_collect_over_all_tasks():
             "prefilled_prompt_tokens"):
     assert got.metrics[k] == whole.metrics[k], k
   # the sampler's phase split and work (NaN from this one, which reports none) carried over
-  assert {"prefill_time_s", "decode_time_s", "prefill_flops", "decode_bytes"} <= set(got.metrics)
+  assert {"prefill_time_s", "decode_time_s", "prefill_compile_s", "decode_compile_s",
+          "prefill_flops", "decode_bytes"} <= set(got.metrics)
   assert 0 < whole.metrics["success_rate"] < 1
   assert multihost.concat_rollouts([None, whole]) is whole
   with pytest.raises(ValueError, match="no rollout"):

@@ -747,3 +747,10 @@ def test_calls_report_their_phases_time_and_work(setup):
   assert more.reused_tokens == sum(bases)
   assert more.prefill_flops == pytest.approx(
       cost.forward_flops(CONFIG, [len(g) - b for g, b in zip(grown, bases)], bases))
+  # A new sampler's first call compiles its programs inside its two phases; the same call again
+  # compiles nothing.
+  assert 0 < out.prefill_compile_seconds <= out.prefill_seconds
+  assert 0 < out.decode_compile_seconds <= out.decode_seconds
+  again = s(prompts, jax.random.key(0), max_new_tokens=TURN_MAX_NEW, greedy=True, keep_cache=True)
+  assert again.prefill_compile_seconds == 0.0 and again.decode_compile_seconds == 0.0
+  assert [t.tolist() for t in again.tokens] == [t.tolist() for t in out.tokens]

@@ -74,6 +74,7 @@ REQUIRED = [
     "time/ref_logprob", "time/advantage", "time/salt", "time/update",
     "time/rollout_prefill", "time/rollout_decode", "flops/prefill", "bytes/decode",
     "time/xla_compile", "time/xla_compile_rollout", "time/xla_compile_update",
+    "time/xla_compile_prefill", "time/xla_compile_decode",
     "rate/prefill_gflops", "rate/decode_gbs", "flops/update", "rate/update_gflops",
     "success_rate/walk", "success_rate/key-door"]
 # What SALT may change: the advantages after it, and what the update makes of them.
@@ -157,8 +158,10 @@ def test_metrics_written_with_all_keys(run_a):
                               ("flops/update", "rate/update_gflops", "time/update")):
       assert r[rate] == pytest.approx(r[work] / r[phase] / 1e9)
     # XLA compiles: inside the iteration and the phases that hold them.
-    for phase in ("rollout", "update"):
-      assert 0.0 <= r[f"time/xla_compile_{phase}"] <= r[f"time/{phase}"]
+    for phase in ("rollout", "update", "rollout_prefill", "rollout_decode"):
+      assert 0.0 <= r[f"time/xla_compile_{phase.removeprefix('rollout_')}"] <= r[f"time/{phase}"]
+    assert (r["time/xla_compile_prefill"] + r["time/xla_compile_decode"]
+            <= r["time/xla_compile_rollout"] + 1e-9)
     assert (r["time/xla_compile_rollout"] + r["time/xla_compile_update"]
             <= r["time/xla_compile"] + 1e-9 <= r["time/iteration"] + 1e-9)
   # The first iteration compiles the trainer's programs (its update's, at least).
