@@ -14,22 +14,34 @@ import threading
 import jax
 
 _XLA_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_total = [0.0]
-_lock = threading.Lock()
-_listening = [False]
 
 
-def _on_duration_event(event: str, duration_secs: float, **_) -> None:
-  if event == _XLA_COMPILE_EVENT:
-    with _lock:
-      _total[0] += duration_secs
+class _CompileClock:
+  """The process's running sum of compile events; listens from its first read on, since JAX's
+  listeners cannot be removed and most processes never ask."""
+
+  def __init__(self):
+    self.seconds = 0.0
+    self.listening = False
+    self.lock = threading.Lock()
+
+  def on_duration_event(self, event: str, duration_secs: float, **_) -> None:
+    if event == _XLA_COMPILE_EVENT:
+      with self.lock:
+        self.seconds += duration_secs
+
+  def read(self) -> float:
+    with self.lock:
+      if not self.listening:
+        jax.monitoring.register_event_duration_secs_listener(self.on_duration_event)
+        self.listening = True
+      return self.seconds
+
+
+_CLOCK = _CompileClock()
 
 
 def xla_compile_seconds() -> float:
   """Seconds of XLA compiles (and compilation-cache loads) in this process since the first call
   of this function: differences of two calls time the compiles between them."""
-  with _lock:
-    if not _listening[0]:
-      jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
-      _listening[0] = True
-    return _total[0]
+  return _CLOCK.read()
