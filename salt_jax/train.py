@@ -64,6 +64,7 @@ from salt_jax import batching
 from salt_jax import checkpoint
 from salt_jax import metrics as metrics_lib
 from salt_jax import log as log_lib
+from salt_jax import memory
 from salt_jax import multihost
 from salt_jax import phases
 from salt_jax import runlock
@@ -675,6 +676,11 @@ class Trainer:
     m["time/xla_compile"] = xla_compile_seconds() - compile_iter
     for p in ("rollout", "update"):
       m[f"time/xla_compile_{p}"] = times.compiles.get(p, 0.0)
+    # Host memory at the iteration's end: resident bytes rising from row to row with live arrays
+    # flat is the allocator's; with live arrays rising too, a reference held (a leak).
+    m["mem/resident_gb"] = memory.resident_bytes() / 2**30
+    live, live_bytes = memory.live_array_bytes()
+    m["mem/live_arrays"], m["mem/live_array_gb"] = live, live_bytes / 2**30
     # Logged before the checkpoint that covers it: a kill in between leaves a row that the resume
     # drops and writes again; logged after, a kill in between would lose the row.
     row = self._logger.log(it, m, histograms)

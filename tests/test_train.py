@@ -87,8 +87,9 @@ FOLLOWS_FROM_ADVANTAGES = {
 
 
 def _untimed(row):
-  """The row without what depends on the wall clock: its times and the rates made of them."""
-  return {k: v for k, v in row.items() if not k.startswith(("time/", "rate/"))}
+  """The row without what depends on the wall clock or the process: its times, the rates made
+  of them, and the process's host memory."""
+  return {k: v for k, v in row.items() if not k.startswith(("time/", "rate/", "mem/"))}
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +159,17 @@ def test_metrics_written_with_all_keys(run_a):
                               ("flops/update", "rate/update_gflops", "time/update")):
       assert r[rate] == pytest.approx(r[work] / r[phase] / 1e9)
     # XLA compiles: inside the iteration and the phases that hold them.
-    for phase in ("rollout", "update", "rollout_prefill", "rollout_decode"):
-      assert 0.0 <= r[f"time/xla_compile_{phase.removeprefix('rollout_')}"] <= r[f"time/{phase}"]
+    for compile_key, phase in (("rollout", "rollout"), ("update", "update"),
+                               ("prefill", "rollout_prefill"), ("decode", "rollout_decode")):
+      assert 0.0 <= r[f"time/xla_compile_{compile_key}"] <= r[f"time/{phase}"]
     assert (r["time/xla_compile_prefill"] + r["time/xla_compile_decode"]
             <= r["time/xla_compile_rollout"] + 1e-9)
     assert (r["time/xla_compile_rollout"] + r["time/xla_compile_update"]
             <= r["time/xla_compile"] + 1e-9 <= r["time/iteration"] + 1e-9)
+    # Host memory: the process holds at least its live arrays (the params among them).
+    params_gb = sum(x.nbytes for x in jax.tree.leaves(tr.state.params)) / 2**30
+    assert r["mem/live_arrays"] > 0 and r["mem/live_array_gb"] >= params_gb
+    assert r["mem/resident_gb"] > r["mem/live_array_gb"] or not os.path.exists("/proc/self/statm")
   # The first iteration compiles the trainer's programs (its update's, at least).
   assert logged[0]["time/xla_compile_update"] > 0.0
   minibatches = seen[0][1]  # the first update's rows

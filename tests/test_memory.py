@@ -1,0 +1,37 @@
+"""salt_jax.memory: resident bytes and live jax arrays, against what the test allocates."""
+
+import gc
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from salt_jax.memory import live_array_bytes, resident_bytes
+from salt_jax.sharding import make_mesh
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux only")
+def test_resident_bytes_grows_with_a_touched_allocation():
+  before = resident_bytes()
+  block = np.ones(64 * 2**20 // 8)  # 64 MiB, every page written
+  assert resident_bytes() - before > 48 * 2**20
+  del block
+
+
+def test_live_arrays_count_each_array_and_each_stored_copy():
+  gc.collect()
+  n0, b0 = live_array_bytes()
+  x = jnp.zeros((1000, 250), jnp.float32)  # 1,000,000 bytes
+  n1, b1 = live_array_bytes()
+  assert (n1 - n0, b1 - b0) == (1, 1_000_000)
+  mesh = make_mesh("2x1")  # tests run with 8 CPU devices (conftest)
+  replicated = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  split = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  n2, b2 = live_array_bytes()
+  assert (n2 - n1, b2 - b1) == (2, 2_000_000 + 1_000_000)  # two copies, then two halves
+  y = jnp.ones((500,), jnp.float32)
+  y.delete()  # a deleted (or donated) array holds nothing
+  assert live_array_bytes() == (n2, b2)
+  del x, replicated, split
