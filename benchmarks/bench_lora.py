@@ -23,6 +23,11 @@ the batch and the value-loss step.
       --response 32 [--all-positions]                  # the ALFWorld step rows' shape
   python benchmarks/bench_lora.py --ranks 0 --rows 2 --microbatch-rows 2 --length 576 \
       --response 32 --profile /tmp/prof              # + each XLA thread's busy time, by op
+  python benchmarks/bench_lora.py --ranks 0 --rows 2 --microbatch-rows 2 --length 576 \
+      --response 32 --mesh 2x1                       # the rows split over 2 CPU devices
+
+With --mesh DxM the step runs as the trainer runs it under that mesh (`--mesh` of the trainer;
+on a CPU host D*M simulated devices sharing the cores), each micro-batch's rows split over D.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ import os
 import subprocess
 import sys
 import time
+
+from salt_jax.cli import use_cpu_devices
+from salt_jax.sharding import parse_mesh_shape
 
 
 def _rss_kib(field: str) -> int:
@@ -65,10 +73,11 @@ def one_setting(args, rank: int) -> dict:
   from salt_jax.models import lora
   from salt_jax.sharding import make_mesh, on_mesh
   from salt_jax.critic import critic_optimizer, critic_programs, init_critic
+  from salt_jax.phases import on_device
   from salt_jax.update import optimizer, update_programs
 
   t0 = time.perf_counter()
-  mesh = make_mesh("1x1")
+  mesh = make_mesh(args.mesh)
   cfg = TrainConfig(env="toy", tokenizer="toy", model=None if args.random else args.model,
                     tiny_policy=json.loads(args.tiny_policy), lora_rank=rank,
                     minibatch_rows=args.rows, microbatch_rows=args.microbatch_rows,
@@ -95,6 +104,7 @@ def one_setting(args, rank: int) -> dict:
             positions=np.broadcast_to(np.arange(args.length, dtype=np.int32), ids.shape).copy())
   if not args.all_positions:
     mb["logit_positions"] = batching.logit_positions(loss_mask)
+  mb = on_device(mb, mesh)  # rows split over the mesh's data axis, as the trainer's
   step_adv = jax.numpy.asarray(rng.normal(size=args.rows).astype(np.float32))
   nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
   sizes = {"trained_mib": nbytes(params) / 2**20, "optimizer_mib": nbytes(opt_state) / 2**20,
@@ -156,9 +166,10 @@ def one_setting(args, rank: int) -> dict:
           **{k: round(v, 1) for k, v in sizes.items()},
           "peak_rss_mib": round(_rss_kib("VmHWM") / 1024, 1) if reset else None,
           "setup_peak_rss_mib": round(setup_peak / 1024, 1), "setup_s": round(setup_s, 1),
-          "loss_finite": bool(np.isfinite(float(out["loss"]))), "rows": args.rows,
+          "loss_finite": bool(np.isfinite(float(out["loss"]))), "loss": float(out["loss"]),
+          "rows": args.rows,
           "length": args.length, "response": args.response,
-          "microbatch_rows": args.microbatch_rows,
+          "microbatch_rows": args.microbatch_rows, "mesh": args.mesh,
           "logits": "all positions" if args.all_positions else "loss positions",
           "model": "tiny random" if args.random else os.path.basename(args.model),
           **({"profile": profile} if profile else {})}
@@ -183,6 +194,7 @@ def main(argv=None) -> int:
   ap.add_argument("--profile", default=None, metavar="DIR",
                   help="also trace --reps steps into DIR/rank<R> and report each XLA thread's "
                        "busy time and the ops' (benchmarks/xla_cpu_profile.py)")
+  ap.add_argument("--mesh", default="1x1", help="DxM: the trainer's mesh (simulated CPU devices)")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's rank
   ap.add_argument("--out", default=None, help="append the JSON lines here")
   args = ap.parse_args(argv)
@@ -193,7 +205,14 @@ def main(argv=None) -> int:
   if args.model is None and not args.random:
     from salt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
     args.model = str(smollm2_path())
+  try:
+    data, _ = parse_mesh_shape(args.mesh)
+  except ValueError as e:
+    ap.error(str(e))
+  if args.microbatch_rows and args.microbatch_rows % data or args.rows % data:
+    ap.error(f"--rows and --microbatch-rows must be multiples of the mesh's data axis ({data})")
   if args.one is not None:
+    use_cpu_devices(args.mesh)  # before the backend starts
     if args.profile:  # XLA reads its flags when the backend starts: before the first array
       from xla_cpu_profile import TRACE_FLAG  # pylint: disable=import-outside-toplevel
       os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()

@@ -26,6 +26,8 @@ filled cache) over the bandwidth. Each phase's "of limit" is bound / measured.
   python benchmarks/bench_rollout_engines.py                   # vLLM too, with the vllm extra
   python benchmarks/bench_rollout_engines.py --random          # SmolLM2-shaped random weights
   python benchmarks/bench_rollout_engines.py --quick           # tiny shapes: checks the script
+  python benchmarks/bench_rollout_engines.py --mesh 2x1        # the built-in sampler's rows
+                                                               # split over 2 CPU devices
 
 With --iteration PARAMS, one GRPO+SALT iteration of the main job per engine instead, each in its
 own process (`experiments/alfworld_grpo_salt.py --recipe verl-agent`, 2 tasks x G = 8, at most 8
@@ -85,12 +87,17 @@ def prompts_for(case: str, rows: int, prompt_len: int, vocab: int, seed: int = 0
   return [draw() for _ in range(rows)]
 
 
-def build_engine(name: str, model, tokenizer, *, max_cache_len: int, eos: int, dtype: str):
+def build_engine(name: str, model, tokenizer, *, max_cache_len: int, eos: int, dtype: str,
+                 mesh=None):
+  """The engine `name`; the built-in sampler under `mesh` (its model sharded onto it) if given."""
   # pylint: disable=import-outside-toplevel
   from salt_jax.sampling import Sampler, length_buckets
   if name == "builtin":
+    if mesh is not None:
+      from salt_jax.models.partitioning import shard_model
+      shard_model(model, mesh)
     return Sampler(model, eos_token_ids=[eos], pad_token_id=0, max_cache_len=max_cache_len,
-                   prompt_buckets=length_buckets(128, max_cache_len, 8))
+                   prompt_buckets=length_buckets(128, max_cache_len, 8), mesh=mesh)
   if name == "builtin-doubling":
     return Sampler(model, eos_token_ids=[eos], pad_token_id=0, max_cache_len=max_cache_len,
                    prompt_buckets=length_buckets(128, max_cache_len, 1),
@@ -194,9 +201,14 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the figures here")
   ap.add_argument("--iteration", default=None, metavar="PARAMS",
                   help="time one main-job ALFWorld iteration per engine from these params")
+  ap.add_argument("--mesh", default=None, metavar="DxM",
+                  help="the built-in sampler under this mesh (simulated CPU devices)")
   args = ap.parse_args(argv)
   if args.iteration:
     return iteration_main(args)
+  if args.mesh:
+    from salt_jax.cli import use_cpu_devices  # pylint: disable=import-outside-toplevel
+    use_cpu_devices(args.mesh)  # before the backend starts
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np
@@ -223,9 +235,13 @@ def main(argv=None) -> int:
       from transformers import AutoTokenizer
       tokenizer = AutoTokenizer.from_pretrained(path)
   dev = jax.devices()[0]
+  mesh = None
+  if args.mesh:
+    from salt_jax.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+    mesh = make_mesh(args.mesh)
   result = {"date": time.strftime("%Y-%m-%d"), "device": f"{dev.platform} ({dev.device_kind})",
-            "cpu_count": os.cpu_count(), "rows": args.rows, "prompt_len": args.prompt_len,
-            "new": args.new, "runs": []}
+            "mesh": args.mesh or "1x1", "cpu_count": os.cpu_count(), "rows": args.rows,
+            "prompt_len": args.prompt_len, "new": args.new, "runs": []}
   print(f"device {result['device']}, rows {args.rows}, prompt {args.prompt_len}, "
         f"{args.new} new tokens, engines {engines}", flush=True)
   for dtype in args.dtypes.split(","):
@@ -241,7 +257,7 @@ def main(argv=None) -> int:
     max_cache_len = 1 << (args.prompt_len + args.new).bit_length()
     for name in engines:
       engine = build_engine(name, model, tokenizer, max_cache_len=max_cache_len, eos=eos,
-                            dtype=dtype)
+                            dtype=dtype, mesh=mesh)
       for case in args.cases.split(","):
         prompts = prompts_for(case, args.rows, args.prompt_len, config.vocab_size)
         got = time_engine(engine, prompts, args.new, args.repeats)

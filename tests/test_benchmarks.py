@@ -112,6 +112,11 @@ def test_rollout_engines_quick_run(capsys):
     for case in ("group", "distinct"):
       assert any(line.split()[:2] == [engine.strip(), case] for line in out.splitlines())
   assert "of limit" in out
+  # The built-in sampler under a 2-device mesh: its rows split over the data axis.
+  assert bench.main(["--quick", "--engines", "builtin", "--dtypes", "float32", "--cases",
+                     "distinct", "--mesh", "2x1"]) == 0
+  assert any(line.split()[:2] == ["builtin", "distinct"]
+             for line in capsys.readouterr().out.splitlines())
 
 
 def test_rollout_engines_iteration_is_the_main_jobs_setting(tmp_path):
@@ -167,6 +172,24 @@ def test_bench_lora_times_the_critic_beside_each_setting(tmp_path, capsys):
     assert row["trained_mib"] <= row["critic_mib"] < row["trained_mib"] + 0.01
   assert adapters["critic_mib"] < full["critic_mib"] / 4
   assert "critic step s" in capsys.readouterr().out
+
+
+def test_bench_lora_runs_the_step_under_a_mesh(tmp_path):
+  """--mesh 2x1: the step on 2 simulated CPU devices (each micro-batch's rows split over them)
+  gives the single device's loss up to rounding; a mesh that does not divide the rows is named."""
+  import bench_lora  # pylint: disable=import-outside-toplevel
+  losses = {}
+  for mesh in ("1x1", "2x1"):
+    out = tmp_path / f"{mesh}.jsonl"
+    assert bench_lora.main(["--random", "--ranks", "0", "--rows", "4", "--microbatch-rows", "2",
+                            "--length", "32", "--response", "8", "--reps", "1", "--mesh", mesh,
+                            "--out", str(out)]) == 0
+    (row,) = (json.loads(line) for line in out.read_text().splitlines())
+    assert row["mesh"] == mesh and row["loss_finite"]
+    losses[mesh] = row["loss"]
+  assert losses["2x1"] == pytest.approx(losses["1x1"], rel=1e-4, abs=1e-6)
+  with pytest.raises(SystemExit):
+    bench_lora.main(["--random", "--rows", "3", "--microbatch-rows", "3", "--mesh", "2x1"])
 
 
 def test_xla_cpu_profile_sweeps_each_threads_ops():
