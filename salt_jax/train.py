@@ -678,6 +678,7 @@ class Trainer:
       m[f"time/xla_compile_{p}"] = times.compiles.get(p, 0.0)
     # Host memory at the iteration's end: resident bytes rising from row to row with live arrays
     # flat is the allocator's; with live arrays rising too, a reference held (a leak).
+    memory.release_free_memory()  # the iteration's freed buffers back to the OS
     m["mem/resident_gb"] = memory.resident_bytes() / 2**30
     live, live_bytes = memory.live_array_bytes()
     m["mem/live_arrays"], m["mem/live_array_gb"] = live, live_bytes / 2**30

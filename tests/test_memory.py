@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from salt_jax.memory import live_array_bytes, resident_bytes
+from salt_jax.memory import live_array_bytes, release_free_memory, resident_bytes
 from salt_jax.sharding import make_mesh
 
 
@@ -35,3 +35,19 @@ def test_live_arrays_count_each_array_and_each_stored_copy():
   y.delete()  # a deleted (or donated) array holds nothing
   assert live_array_bytes() == (n2, b2)
   del x, replicated, split
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux only")
+def test_released_memory_leaves_the_process():
+  """Many mid-sized blocks (below glibc's mmap threshold, so from its heap) freed: glibc keeps
+  most of their pages until `malloc_trim`; releasing them lowers the resident bytes."""
+  blocks = [np.ones(8_000) for _ in range(4_000)]  # 4,000 x 64 kB (glibc's mmap threshold is
+  # at least 128 kB): 256 MB, every page written
+  keep = blocks[-1]  # a live block at the heap's top: freeing the rest cannot shrink the heap
+  del blocks
+  gc.collect()
+  before = resident_bytes()
+  if not release_free_memory():
+    pytest.skip("not glibc")
+  assert resident_bytes() < before - 100 * 2**20
+  del keep
