@@ -7,7 +7,10 @@ varying one thing at a time, each in this process:
   layers     the model with 1 and with all of its layers: the per-layer cost, and the rest (the
              embedding, the final norm and the vocabulary projection)
   slots      the cache at 128 slots and at --slots: the cost of a filled slot
-  dots       the layer's seven projections alone on [B, D] rows (`jnp.einsum` as the model's)
+  dots       the layer's seven projections alone on [B, D] rows (`jnp.einsum` as the model's),
+             and the same weights as four: q|k|v and gate|up concatenated (fewer, wider dots)
+  attention  a layer's attention alone over the filled cache, as the model computes it (the
+             batched dots of `Attention._attend_rows`) and as multiply-and-sum
   sample     the sampler's token choice on [B, V] logits (`sampling._choose`, temperature 1)
 and prints each with its bound (bytes / the read bandwidth measured here) and the compiled
 step's instruction count.
@@ -15,6 +18,7 @@ step's instruction count.
   python benchmarks/bench_decode_step.py                     # SmolLM2 shapes, f32, B = 8
   python benchmarks/bench_decode_step.py --quick             # tiny shapes: checks the script
   XLA_FLAGS=... python benchmarks/bench_decode_step.py       # the same under an XLA flag
+  python benchmarks/bench_decode_step.py --profile DIR       # + the full step's threads and ops
 """
 
 from __future__ import annotations
@@ -103,7 +107,13 @@ def main(argv=None) -> int:
                  help="a `salt_jax.models.ATTENTION_IMPLS` name (default: the machine's)")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--out", default=None, help="also write the figures here as JSON")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="also trace --repeats calls of the full step into DIR and report each XLA "
+                      "thread's busy time and the ops' (benchmarks/xla_cpu_profile.py)")
   args = p.parse_args(argv)
+  if args.profile:  # before the backend starts: XLA reads its flags once
+    import xla_cpu_profile  # pylint: disable=import-outside-toplevel
+    xla_cpu_profile.enable_tracing()
   shape = TINY if args.quick else SMOLLM2
   if args.quick:
     args.slots, args.filled, args.repeats = 64, 40, 2
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
          "attention_impl": args.attention_impl, "dtype": args.dtype,
          "read_GBps": bw / 1e9, "cases": {}}
 
-  def case(name, layers, slots, filled):
+  def case(name, layers, slots, filled, profile=False):
     config = config_of(shape, layers, args.attention_impl)
     model = CausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     call, n_instr = step_program(model, rows, slots, filled)
@@ -125,8 +135,10 @@ def main(argv=None) -> int:
     out["cases"][name] = {"ms": ms, "bound_ms": bound, "instructions": n_instr}
     print(f"{name:28s} {ms:8.2f} ms  bound {bound:6.2f} ms ({bound / ms:5.1%})  "
           f"{n_instr} dispatched ops", flush=True)
+    if profile:
+      out["profile"] = xla_cpu_profile.profile_calls(call, args.repeats, args.profile)
 
-  case(f"step, {full_layers} layers", full_layers, args.slots, args.filled)
+  case(f"step, {full_layers} layers", full_layers, args.slots, args.filled, bool(args.profile))
   case(f"step, {full_layers} layers, 128 slots", full_layers, 128, min(args.filled, 120))
   case("step, 1 layer", 1, args.slots, args.filled)
   c = out["cases"]
@@ -150,10 +162,46 @@ def main(argv=None) -> int:
     o = jnp.einsum("bnh,nhd->bd", q, ws[3])
     g = jnp.einsum("bd,df->bf", x, ws[4]) * jnp.einsum("bd,df->bf", x, ws[5])
     return o + jnp.einsum("bf,fd->bd", g, ws[6]) + kk.sum() + v.sum()
-  ms = best_ms(jax.jit(dots), x, ws, repeats=args.repeats)
+  def fused_dots(x, ws):
+    qkv = x @ ws[0]
+    q, kk, v = qkv[:, :n * h], qkv[:, n * h:(n + k) * h], qkv[:, (n + k) * h:]
+    o = q @ ws[1]
+    gu = x @ ws[2]
+    return o + (gu[:, :f] * gu[:, f:]) @ ws[3] + kk.sum() + v.sum()
+  fused = [jnp.concatenate([w.reshape(d, -1) for w in ws[:3]], axis=1), ws[3].reshape(n * h, d),
+           jnp.concatenate(ws[4:6], axis=1), ws[6]]
   bound = sum(w.size for w in ws) * item / bw * 1e3
-  print(f"{'a layer: 7 projections':28s} {ms:8.3f} ms  bound {bound:6.3f} ms ({bound / ms:5.1%})")
-  out["cases"]["layer projections"] = {"ms": ms, "bound_ms": bound}
+  for label, name, fn, args_ in (("a layer: 7 projections", "layer projections", dots, ws),
+                                 ("a layer: 4 fused projections", "layer projections fused",
+                                  fused_dots, fused)):
+    ms = best_ms(jax.jit(fn), x, args_, repeats=args.repeats)
+    print(f"{label:28s} {ms:8.3f} ms  bound {bound:6.3f} ms ({bound / ms:5.1%})")
+    out["cases"][name] = {"ms": ms, "bound_ms": bound}
+
+  # A layer's attention over the filled cache: q [B, K, G, H] against keys [B, K, H, S] and
+  # values [B, K, S, H] (the cache's layouts), masked softmax between.
+  g, s = n // k, args.slots
+  q = jax.random.normal(key, (rows, k, g, h), dtype)
+  keys_ = jax.random.normal(key, (rows, k, h, s), dtype)
+  values = jax.random.normal(key, (rows, k, s, h), dtype)
+  valid = jnp.arange(s) < args.filled
+
+  def attention(q, keys_, values, by_sum):
+    if by_sum:
+      scores = jnp.sum(q[..., None] * keys_[:, :, None], axis=-2)
+    else:
+      scores = jnp.einsum("bkgh,bkhs->bkgs", q, keys_)
+    probs = jax.nn.softmax(jnp.where(valid, scores * h ** -0.5, -1e30), axis=-1)
+    if by_sum:
+      return jnp.sum(probs[..., None] * values[:, :, None], axis=-2)
+    return jnp.einsum("bkgs,bksh->bkgh", probs, values)
+  bound = cache_bytes(config_of(shape, 1), rows * args.filled, item) / bw * 1e3
+  for label, name, by_sum in (("a layer's attention: dots", "layer attention", False),
+                              ("a layer's attention: sums", "layer attention by sum", True)):
+    ms = best_ms(jax.jit(lambda *a, by_sum=by_sum: attention(*a, by_sum)), q, keys_, values,
+                 repeats=args.repeats)
+    print(f"{label:28s} {ms:8.3f} ms  bound {bound:6.3f} ms ({bound / ms:5.1%})")
+    out["cases"][name] = {"ms": ms, "bound_ms": bound}
 
   v = shape["vocab_size"]
   logits = jax.random.normal(key, (rows, v), jnp.float32)
@@ -166,6 +214,9 @@ def main(argv=None) -> int:
     ms = best_ms(fn, logits, keys, repeats=args.repeats)
     print(f"{label:28s} {ms:8.3f} ms")
     out["cases"][label] = {"ms": ms}
+  if args.profile:
+    print(f"\nstep, {full_layers} layers, under the profiler")
+    xla_cpu_profile.print_summary(out["profile"])
   if args.out:
     write_json(args.out, out)
   return 0

@@ -134,12 +134,13 @@ def one_setting(args, rank: int) -> dict:
   profile = None
   if args.profile:  # `--reps` more calls under the profiler: where the step's time goes
     import xla_cpu_profile  # pylint: disable=import-outside-toplevel
-    trace_dir = os.path.join(args.profile, f"rank{rank}")
-    with jax.profiler.trace(trace_dir):
-      for _ in range(args.reps):
-        params, opt_state, out = train_step(params, opt_state, mb, step_adv, frozen)
-        jax.block_until_ready(out["loss"])
-    profile = xla_cpu_profile.summarize(xla_cpu_profile.read_trace(trace_dir), args.reps)
+
+    def step():
+      nonlocal params, opt_state
+      params, opt_state, out = train_step(params, opt_state, mb, step_adv, frozen)
+      return out["loss"]
+    profile = xla_cpu_profile.profile_calls(step, args.reps,
+                                            os.path.join(args.profile, f"rank{rank}"))
   timed = {}
   if args.critic:
     def run_values():
@@ -214,8 +215,8 @@ def main(argv=None) -> int:
   if args.one is not None:
     use_cpu_devices(args.mesh)  # before the backend starts
     if args.profile:  # XLA reads its flags when the backend starts: before the first array
-      from xla_cpu_profile import TRACE_FLAG  # pylint: disable=import-outside-toplevel
-      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
+      import xla_cpu_profile  # pylint: disable=import-outside-toplevel
+      xla_cpu_profile.enable_tracing()
     print(json.dumps(one_setting(args, args.one)), flush=True)
     return 0
   rows = []

@@ -29,8 +29,9 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 TRACE_FLAG = "--xla_cpu_enable_xprof_traceme=true"
-# Threads of XLA:CPU's intra-op pool, where the ops of a program run.
-COMPUTE_THREAD = "XLAEigen"
+# Threads where a program's ops run: XLA:CPU's intra-op pool, and the PjRt client's thread that
+# starts each program and runs some of its ops itself (all of a tiny program's).
+COMPUTE_THREADS = ("XLAEigen", "XLAPjRtCpuClient")
 # Events on those threads that are not ops: the executor's own spans and thread-pool markers.
 _NOT_OPS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ")
 
@@ -58,17 +59,20 @@ def read_trace(trace_dir: str) -> list[OpEvent]:
   events = []
   for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
     for line in plane.lines:
-      if COMPUTE_THREAD not in line.name:
+      if not any(name in line.name for name in COMPUTE_THREADS):
         continue
       events.extend(OpEvent(line.name, ev.name, int(ev.start_ns), int(ev.duration_ns))
                     for ev in line.events if not ev.name.startswith(_NOT_OPS))
   return events
 
 
-def summarize(events: Iterable[OpEvent], calls: int = 1, top: int = 15) -> dict:
+def summarize(events: Iterable[OpEvent], calls: int = 1, top: int = 15,
+              cores: int | None = None) -> dict:
   """Per call (all figures divided by `calls`): the span from the first op's start to the last
   op's end, each thread's busy seconds, the seconds with n threads busy (n = 0 .. threads), and
   the `top` op kinds by summed seconds with the seconds each ran alone (no other thread busy).
+  `busy_fraction` is the threads' busy seconds over the span times the threads, or times
+  `cores` where fewer (the client's thread and the pool's share the machine's cores).
 
   A thread's nested events (an op inside a while loop's body) count once toward its busy time
   and under the innermost op's kind while alone; `ops` sums every event as recorded.
@@ -111,11 +115,28 @@ def summarize(events: Iterable[OpEvent], calls: int = 1, top: int = 15) -> dict:
   return {
       "calls": calls, "span_s": seconds(span),
       "threads": {t: seconds(busy[t]) for t in threads},
-      "busy_fraction": sum(busy.values()) / (len(threads) * span) if span else 0.0,
+      "busy_fraction": (sum(busy.values()) / (min(len(threads), cores or len(threads)) * span)
+                        if span else 0.0),
       "seconds_with_threads_busy": {n: seconds(with_n[n]) for n in range(len(threads) + 1)},
       "ops": [{"kind": k, "seconds": seconds(v), "alone_s": seconds(alone[k])}
               for k, v in per_kind.most_common(top)],
   }
+
+
+def enable_tracing() -> None:
+  """Adds `TRACE_FLAG` to XLA_FLAGS; XLA reads its flags once, so call it before the first
+  array or jitted call of the process."""
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
+
+
+def profile_calls(call, calls: int, trace_dir: str, top: int = 15) -> dict:
+  """`calls` calls of `call()` under the profiler (each waited on), traced into `trace_dir`:
+  their `summarize`d threads and ops, per call. Needs `enable_tracing()` at the process's start."""
+  import jax  # pylint: disable=import-outside-toplevel
+  with jax.profiler.trace(trace_dir):
+    for _ in range(calls):
+      jax.block_until_ready(call())
+  return summarize(read_trace(trace_dir), calls, top, cores=os.cpu_count())
 
 
 def print_summary(s: dict) -> None:
@@ -136,7 +157,7 @@ def main(argv=None) -> int:
   ap.add_argument("--top", type=int, default=15)
   ap.add_argument("--json", action="store_true", help="print the summary as JSON")
   args = ap.parse_args(argv)
-  s = summarize(read_trace(args.trace_dir), args.calls, args.top)
+  s = summarize(read_trace(args.trace_dir), args.calls, args.top, cores=os.cpu_count())
   if args.json:
     print(json.dumps(s))
   else:

@@ -214,6 +214,10 @@ def test_xla_cpu_profile_sweeps_each_threads_ops():
   # is B's inner dot.4, alone too).
   assert ops["dot"]["alone_s"] == pytest.approx(1.5e-9)
   assert ops["while"]["alone_s"] == pytest.approx(1.5e-9)
+  # three threads on two cores: busy over the cores, not the threads
+  three = events + [ev("C", "fusion.5", 0, 2)]
+  assert prof.summarize(three, calls=2, cores=2)["busy_fraction"] == pytest.approx(16 / 20)
+  assert prof.summarize(three, calls=2)["busy_fraction"] == pytest.approx(16 / 30)
   with pytest.raises(ValueError, match="no op events"):
     prof.summarize([])
   with pytest.raises(ValueError, match="calls"):
@@ -278,7 +282,30 @@ def test_bench_decode_step_splits_a_step(tmp_path, capsys):
   assert bench.step_bytes(config, 8, 0, 1) == pytest.approx(134.5e6, rel=0.01)
   assert bench.step_bytes(config, 8, 10, 4) - bench.step_bytes(config, 8, 0, 4) == \
       2 * 30 * 8 * 3 * 64 * 10 * 4
+  # the projections as 7 or 4 (fused) dots read the same weights: one bound
+  assert got["cases"]["layer projections fused"]["bound_ms"] == pytest.approx(
+      got["cases"]["layer projections"]["bound_ms"])
+  for name in ("layer attention", "layer attention by sum"):  # one layer's filled cache
+    assert got["cases"][name]["ms"] > 0
+    assert got["cases"][name]["bound_ms"] == pytest.approx(
+        bench.cache_bytes(bench.config_of(shape, 1), 8 * 40, 4) / bw * 1e3)
   assert "per layer" in capsys.readouterr().out
+
+
+def test_bench_decode_step_profiles_the_full_step(tmp_path):
+  """--profile traces the full step's calls (in a fresh process: XLA reads the trace flag when
+  its backend starts) and reports XLA's threads and op kinds per call."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "decode.json"
+  proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_decode_step.py"),
+                         "--quick", "--profile", str(tmp_path / "trace"), "--out", str(out)],
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  prof = json.loads(out.read_text())["profile"]
+  assert prof["calls"] == 2 and prof["ops"] and 0 < prof["busy_fraction"] <= 1
+  assert "under the profiler" in proc.stdout and "threads busy" in proc.stdout
 
 
 def test_bench_prompt_tokens_counts_each_task_line(tmp_path, capsys):
