@@ -49,7 +49,8 @@ RESUME_MAY_CHANGE = ("iters", "out", "resume", "progress", "eval_every", "tensor
                      "distributed", "coordinator", "num_processes", "process_id",
                      "microbatch_rows", "microbatch_lengths", "logprob_microbatch_rows",
                      "remat_policy", "mesh", "attention_impl", "tracker", "async_checkpoint",
-                     "rollout_engine", "vllm_kv_cache_gib", "compilation_cache")
+                     "rollout_engine", "vllm_kv_cache_gib", "compilation_cache",
+                     "clear_programs_above")
 META_ITEM = "meta"  # the checkpoint's JSON item (orbax writes it to <step>/meta/metadata)
 
 

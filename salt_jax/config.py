@@ -394,6 +394,12 @@ class RunConfig:
       None, "a folder that keeps XLA's compiled programs for later processes (a resumed run, "
       "the next run of a study) to load instead of compiling; on a CPU kept per CPU model and "
       "instruction set")
+  clear_programs_above: float = _field(
+      0.5, "after an iteration that leaves this process's resident memory above this share of "
+      "the machine's memory, drop every compiled program (jax.clear_caches; later calls compile "
+      "them again or load them from --compilation-cache): XLA keeps each program's code "
+      "resident, and a run that keeps meeting new shapes (prompt buckets, micro-batch lengths) "
+      "grows by them until it is killed. 1: never; 0: after every iteration")
   tensorboard: bool = _field(True, "write TensorBoard event files")
   progress: bool = _field(True, "show each phase's progress (a line per iteration, bars inside a "
                           "rollout and an update)")
@@ -418,6 +424,11 @@ class RunConfig:
       _pos_int(self, name)
     _pos_int(self, "seed", 0)
     check_output_folder(self.out)
+    _need(isinstance(self.clear_programs_above, (int, float))
+          and not isinstance(self.clear_programs_above, bool)
+          and 0 <= self.clear_programs_above <= 1,
+          f"clear_programs_above must be a share of memory in [0, 1], got "
+          f"{self.clear_programs_above!r}")
     parse_mesh_shape(self.mesh)
     if self.coordinator is not None or self.num_processes is not None \
         or self.process_id is not None:

@@ -2,13 +2,16 @@
 
 A long CPU run that is killed for memory needs to know whether the process grew (resident bytes
 up from one iteration to the next) and whether what grew is jax arrays still referenced (live
-arrays up) or memory the allocator holds (resident up, live arrays flat).
+arrays up) or memory the allocator holds (resident up, live arrays flat). Besides freed buffers
+that malloc keeps (`release_free_memory`), every compiled program stays resident
+(`release_compiled_programs`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import math
 import os
 
@@ -24,6 +27,14 @@ def resident_bytes() -> float:
   except (OSError, ValueError, IndexError):
     return float("nan")
   return float(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def total_bytes() -> float:
+  """Bytes of the machine's physical memory; NaN where the OS does not report it."""
+  try:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  except (ValueError, OSError, AttributeError):
+    return float("nan")
 
 
 def live_array_bytes() -> tuple[int, float]:
@@ -60,3 +71,14 @@ def release_free_memory() -> bool:
     return False
   _LIBC.malloc_trim(0)
   return True
+
+
+def release_compiled_programs() -> None:
+  """Drops every compiled program and trace this process holds (`jax.clear_caches`) and hands
+  the freed memory back (`release_free_memory`); arrays are untouched, and the next call of a
+  jitted function compiles again (or loads from the compilation cache). XLA keeps each compiled
+  program's code resident, so a run that meets new shapes every iteration (prompt buckets,
+  micro-batch lengths) grows by them (`benchmarks/bench_program_memory.py` measures how much)."""
+  jax.clear_caches()
+  gc.collect()
+  release_free_memory()

@@ -679,7 +679,14 @@ class Trainer:
     # Host memory at the iteration's end: resident bytes rising from row to row with live arrays
     # flat is the allocator's; with live arrays rising too, a reference held (a leak).
     memory.release_free_memory()  # the iteration's freed buffers back to the OS
-    m["mem/resident_gb"] = memory.resident_bytes() / 2**30
+    resident = memory.resident_bytes()
+    m["mem/programs_cleared"] = m["mem/cleared_gb"] = 0.0
+    if resident > cfg.clear_programs_above * memory.total_bytes():  # NaN (no figures): never
+      memory.release_compiled_programs()
+      after = memory.resident_bytes()
+      m["mem/programs_cleared"], m["mem/cleared_gb"] = 1.0, (resident - after) / 2**30
+      resident = after
+    m["mem/resident_gb"] = resident / 2**30
     live, live_bytes = memory.live_array_bytes()
     m["mem/live_arrays"], m["mem/live_array_gb"] = live, live_bytes / 2**30
     # Logged before the checkpoint that covers it: a kill in between leaves a row that the resume

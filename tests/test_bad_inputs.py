@@ -179,6 +179,9 @@ def test_update_number_refusals(change, match):
     (UpdateConfig, dict(rollout_is_threshold=0.0), "rollout_is_threshold must be > 0"),
     (RunConfig, dict(iters=0), "iters must be an int >= 1"),
     (RunConfig, dict(num_processes=2), "need distributed=True"),
+    (RunConfig, dict(clear_programs_above=1.5), r"must be a share of memory in \[0, 1\]"),
+    (RunConfig, dict(clear_programs_above=float("nan")), "clear_programs_above must be a share"),
+    (RunConfig, dict(clear_programs_above=True), "clear_programs_above must be a share"),
 ])
 def test_each_config_section_validates_its_own_fields(section, change, match):
   """A section checks its fields on its own, and the whole config checks every section."""

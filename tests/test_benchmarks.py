@@ -308,6 +308,19 @@ def test_bench_decode_step_profiles_the_full_step(tmp_path):
   assert "under the profiler" in proc.stdout and "threads busy" in proc.stdout
 
 
+def test_bench_program_memory_reports_each_programs_share(tmp_path, capsys):
+  """The quick run compiles its programs, reports resident memory after every few and after
+  release_compiled_programs, and the per-program share from the first and last figures."""
+  import bench_program_memory as bench  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "programs.json"
+  assert bench.main(["--quick", "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  assert [a["programs"] for a in got["after"]] == [4]
+  assert got["mib_per_program"] == pytest.approx(
+      (got["after"][-1]["mib"] - got["start_mib"]) / 4)
+  assert got["cleared_mib"] > 0 and "a program" in capsys.readouterr().out
+
+
 def test_bench_prompt_tokens_counts_each_task_line(tmp_path, capsys):
   """Each task line's rows are the same expert steps, rendered as the agent loop renders them:
   the goal line drops ALFWorld's room listing from every row after the first step."""

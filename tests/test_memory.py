@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from salt_jax.memory import live_array_bytes, release_free_memory, resident_bytes
+from salt_jax.memory import (live_array_bytes, release_compiled_programs, release_free_memory,
+                             resident_bytes, total_bytes)
 from salt_jax.sharding import make_mesh
 
 
@@ -51,3 +52,25 @@ def test_released_memory_leaves_the_process():
     pytest.skip("not glibc")
   assert resident_bytes() < before - 100 * 2**20
   del keep
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux only")
+def test_total_bytes_is_the_machines_memory():
+  with open("/proc/meminfo", encoding="ascii") as f:
+    kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+  assert total_bytes() == pytest.approx(kib * 1024, rel=0.01)  # the kernel's count, to rounding
+  assert resident_bytes() < total_bytes()
+
+
+def test_released_programs_compile_again_and_arrays_stay():
+  """After `release_compiled_programs` a jitted function holds no compiled program; its next
+  call compiles again and gives the same result; arrays made before are still there."""
+  f = jax.jit(lambda x: jnp.sin(x) * 2)
+  x = jnp.arange(8.0)
+  first = f(x)
+  assert f._cache_size() == 1  # pylint: disable=protected-access
+  release_compiled_programs()
+  assert f._cache_size() == 0  # pylint: disable=protected-access
+  np.testing.assert_array_equal(f(x), first)
+  assert f._cache_size() == 1  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(x), np.arange(8.0))

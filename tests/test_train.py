@@ -139,6 +139,22 @@ def run_a(warm, tmp_path_factory):
     yield cfg, tr, rows, seen
 
 
+def test_dropping_compiled_programs_leaves_the_run_as_it_was(run_a, tmp_path):
+  """clear_programs_above=0 drops every compiled program after each iteration (what a run past
+  that share of the machine's memory does): the next iteration compiles again and trains as if
+  nothing happened, the same rows as run A's; run A (far below half this machine's memory)
+  dropped none."""
+  cfg, _, rows, _ = run_a
+  cleared = dataclasses.replace(cfg, out=str(tmp_path / "cleared"), iters=2,
+                                clear_programs_above=0.0)
+  with Trainer(cleared) as tr:
+    tr.setup()
+    got = [tr.iteration() for _ in range(cleared.iters)]
+  assert [_untimed(r) for r in got] == [_untimed(r) for r in rows[:2]]
+  assert all(r["mem/programs_cleared"] == 1.0 and r["mem/cleared_gb"] >= -0.05 for r in got)
+  assert all(r["mem/programs_cleared"] == 0.0 and r["mem/cleared_gb"] == 0.0 for r in rows)
+
+
 def test_metrics_written_with_all_keys(run_a):
   cfg, tr, rows, seen = run_a
   logged = metrics_lib.read_jsonl(os.path.join(cfg.out, "metrics.jsonl"))
