@@ -25,13 +25,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bench_decode_step import TINY  # noqa: E402
 from bench_rollout_engines import SMOLLM2  # noqa: E402
 from salt_jax import memory  # noqa: E402
 from salt_jax.metrics import write_json  # noqa: E402
 from salt_jax.models import CausalLM, ModelConfig  # noqa: E402
-
-TINY = dict(SMOLLM2, vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-            num_kv_heads=2, head_dim=16)
 
 
 def resident_mib() -> float:
