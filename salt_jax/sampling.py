@@ -398,7 +398,8 @@ class Sampler:
                cache_buckets: Sequence[int] | None = None,
                cache_dtype=None, mesh: jax.sharding.Mesh | None = None,
                stop_check_every: int = 16, share_prompts: bool = True,
-               split_lengths: bool = True, split_min_flops: float = 1e11):
+               split_lengths: bool = True, split_min_flops: float = 1e11,
+               prefill_batch_buckets: Sequence[int] | None = None):
     """Args:
       model: a `CausalLM` (anything with `init_cache` and `forward_cached` as there).
       eos_token_ids: ids that end a row (the EOS token is kept in the output).
@@ -426,7 +427,14 @@ class Sampler:
         their cache. Same output (up to float rounding).
       split_min_flops: ...and when the positions it saves cost at least this many FLOPs (2 per
         parameter a position): about a second of a CPU's matmuls, what compiling a group's
-        program costs, so a tiny policy's prefills are never split.
+        program costs, so a tiny policy's prefills are never split. The same bar gates
+        `prefill_batch_buckets`.
+      prefill_batch_buckets: row counts a full prefill (or a length group) may pad its distinct
+        prompts to instead of the call's `batch_buckets`, where the rows that saves cost at
+        least `split_min_flops`: a prefill's work grows with its rows, a decode step's hardly
+        (it reads every weight whatever the rows), so the decode keeps the coarser buckets and
+        their fewer programs. A rollout's calls hold 9 or 13 distinct prompts as often as 8
+        or 16. Default: `length_buckets(1, 512, 2)` (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
     """
     eos = tuple(int(t) for t in np.atleast_1d(np.asarray(eos_token_ids, dtype=np.int64)))
     if not eos:
@@ -453,6 +461,12 @@ class Sampler:
     self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
     if not self.batch_buckets or self.batch_buckets[0] < 1:
       raise ValueError(f"batch_buckets must be positive sizes, got {batch_buckets}")
+    if prefill_batch_buckets is None:
+      prefill_batch_buckets = length_buckets(1, 512, 2)
+    self.prefill_batch_buckets = tuple(sorted(int(b) for b in prefill_batch_buckets))
+    if not self.prefill_batch_buckets or self.prefill_batch_buckets[0] < 1:
+      raise ValueError(f"prefill_batch_buckets must be positive sizes, got "
+                       f"{prefill_batch_buckets}")
     self.cache_dtype = cache_dtype
     self.stop_check_every = int(stop_check_every)
     self.share_prompts = bool(share_prompts)
@@ -683,14 +697,25 @@ class Sampler:
 
   # ---------------------------------------------------------------- host side
 
-  def _pad_batch(self, n: int) -> int:
-    """Batch bucket for n prompts, a multiple of the mesh's 'data' size."""
-    b = _bucket(n, self.batch_buckets)
+  def _pad_batch(self, n: int, buckets: Sequence[int] | None = None) -> int:
+    """Batch bucket for n prompts (of `buckets`, default `batch_buckets`), a multiple of the
+    mesh's 'data' size."""
+    buckets = self.batch_buckets if buckets is None else buckets
+    b = _bucket(n, buckets)
     if b is None:
-      top = self.batch_buckets[-1]
+      top = buckets[-1]
       b = -(-n // top) * top
     data = 1 if self.mesh is None else int(self.mesh.shape[DATA_AXIS])
     return -(-b // data) * data
+
+  def _prefill_batch(self, n: int, bucket: int) -> int:
+    """Rows that prefill n distinct prompts at prompt bucket `bucket`: the finer
+    `prefill_batch_buckets` where the rows they save cost at least `split_min_flops`, else the
+    call's batch bucket."""
+    coarse, fine = self._pad_batch(n), self._pad_batch(n, self.prefill_batch_buckets)
+    if fine < coarse and (coarse - fine) * bucket * self._position_flops >= self.split_min_flops:
+      return fine
+    return coarse
 
   def _prompt_bucket(self, longest: int, max_new_tokens: int) -> int:
     """Smallest prompt bucket that holds the longest prompt and leaves room to generate."""
@@ -801,7 +826,7 @@ class Sampler:
               for k in range(1, n + 1)]  # the bucket of the k shortest prompts
 
     def cost(bounds):
-      rows = [self._pad_batch(b - a) for a, b in zip(bounds, bounds[1:])]
+      rows = [self._prefill_batch(b - a, bucket[b - 1]) for a, b in zip(bounds, bounds[1:])]
       if sum(rows) > bu:
         return None
       return sum(r * bucket[b - 1] for r, (_, b) in zip(rows, zip(bounds, bounds[1:])))
@@ -821,15 +846,17 @@ class Sampler:
       return None
     return [(order[a:b], bucket[b - 1]) for a, b in zip(best, best[1:])]
 
-  def _plan_groups(self, prompts, groups, expand, bb: int, max_new_tokens: int) -> _Plan:
-    """A full prefill of the distinct `prompts` in length `groups` (`_length_groups`), all
-    ending at the slot of the longest group's bucket, then gathered to the call's `bb` rows
-    (`expand`: each row's distinct prompt, None: one row each)."""
+  def _plan_groups(self, prompts, groups, expand, bu: int, bb: int,
+                   max_new_tokens: int) -> _Plan:
+    """A full prefill of the distinct `prompts` in length `groups` (`_length_groups`, which
+    keeps their rows within `bu`), all ending at the slot of the longest group's bucket, then
+    gathered to the call's `bb` rows (`expand`: each row's distinct prompt, None: one row
+    each)."""
     top = max(pb for _, pb in groups)
     width = self._cache_len(top + max_new_tokens - 1)
     parts, where, offset = [], np.zeros(len(prompts), np.int32), 0
     for g, pb in groups:
-      rows = self._pad_batch(len(g))
+      rows = self._prefill_batch(len(g), pb)
       tokens, positions, mask = self._layout([prompts[i] for i in g], [0] * len(g), pb, rows)
       parts.append((tokens, positions, mask, top - pb))
       where[g] = offset + np.arange(len(g))
@@ -840,37 +867,42 @@ class Sampler:
     return _Plan(tokens=None, positions=None, suffix_mask=None, cursor=0, rows=None,
                  keep=np.zeros((bb, width), bool), reused=0,
                  prefilled=int(sum(len(p) for p in prompts)), groups=tuple(parts),
-                 gather=gather, joined_rows=self._pad_batch(len(prompts)),
+                 gather=gather, joined_rows=bu,
                  prefill_flops=self._prefill_flops([len(p) for p in prompts]))
 
   def _plan(self, prompts, continue_rows, kept: _Kept | None, bb: int,
             max_new_tokens: int, keep_cache: bool = False) -> _Plan:
     """The call's plan: prefill each distinct prompt once (continuing its kept row where it
-    can), then copy its row to every prompt that repeats it (`expand`). A full prefill whose
-    cache is not kept may run in length groups (`_length_groups`)."""
+    can), then copy its row to every prompt that repeats it (`expand`). A full prefill pads its
+    rows to the bucket `_prefill_batch` picks and, when its cache is not kept, may run in length
+    groups (`_length_groups`)."""
     index, order = {}, []  # distinct prompt -> its plan row; each one's first occurrence
     expand = np.zeros(bb, np.int32)  # dummy rows copy row 0 and start done
-    for i, p in enumerate(prompts if self.share_prompts else ()):
-      if tuple(p) not in index:
-        index[tuple(p)] = len(order)
+    for i, p in enumerate(prompts):
+      key = tuple(p) if self.share_prompts else i
+      if key not in index:
+        index[key] = len(order)
         order.append(i)
-      expand[i] = index[tuple(p)]
+      expand[i] = index[key]
     distinct = [prompts[i] for i in order]
-    if not self.share_prompts or self._pad_batch(len(distinct)) == bb:
-      # nothing shared, or no smaller batch to prefill: one program shape fewer without the copy
-      distinct, order, expand = list(prompts), list(range(len(prompts))), None
-    bu = self._pad_batch(len(distinct))
-    plan = None
     if continue_rows is not None and kept is not None:
-      plan = self._plan_continuation(distinct, [continue_rows[i] for i in order], kept, bu,
-                                     max_new_tokens)
-    if plan is None:
-      groups = (self._length_groups(distinct, bu, max_new_tokens)
-                if self.split_lengths and not keep_cache and len(distinct) > 1 else None)
-      if groups is not None:
-        return self._plan_groups(distinct, groups, expand, bb, max_new_tokens)
-      plan = self._plan_full(distinct, bu, max_new_tokens)
-    return plan._replace(expand=expand)
+      bu = self._pad_batch(len(distinct))
+      if bu == bb:  # no smaller batch to prefill: one program shape fewer without the copy
+        plan = self._plan_continuation(prompts, continue_rows, kept, bb, max_new_tokens)
+      else:
+        plan = self._plan_continuation(distinct, [continue_rows[i] for i in order], kept, bu,
+                                       max_new_tokens)
+      if plan is not None:
+        return plan._replace(expand=None if bu == bb else expand)
+    bu = self._prefill_batch(len(distinct), self._prompt_bucket(
+        max(len(p) for p in distinct), max_new_tokens))
+    if bu == bb:
+      distinct, expand = list(prompts), None
+    groups = (self._length_groups(distinct, bu, max_new_tokens)
+              if self.split_lengths and not keep_cache and len(distinct) > 1 else None)
+    if groups is not None:
+      return self._plan_groups(distinct, groups, expand, bu, bb, max_new_tokens)
+    return self._plan_full(distinct, bu, max_new_tokens)._replace(expand=expand)
 
   def _validate(self, prompts, max_new_tokens, temperature, top_p, top_k, stop_strings,
                 decode_fn, continue_rows, keep_cache):

@@ -334,3 +334,24 @@ def test_bench_prompt_tokens_counts_each_task_line(tmp_path, capsys):
   assert goal["total"] < obs["total"] and goal["largest"] < obs["largest"]
   assert got["goal_over_observation"] == pytest.approx(goal["total"] / obs["total"])
   assert "--prompt-task goal" in capsys.readouterr().out
+
+
+def test_bench_prefix_sharing_counts_what_each_sharing_prefills(tmp_path, capsys):
+  """Prefix counts against hand-counted prompts, then a short ALFWorld run: each sharing
+  prefills no more than the one before it, and the sampler's plan covers every distinct token."""
+  import bench_prefix_sharing as bench  # pylint: disable=import-outside-toplevel
+  assert bench.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+  assert bench.common_prefix([1, 2], [1, 2, 3]) == 2 and bench.common_prefix([], [1]) == 0
+  calls = [[(1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 5)],  # equal: 4 + 3; trie: 4 + 1
+           [(1, 2, 3, 9), (7,)]]                       # trie: 4 + 1; cached: 1 + 1
+  assert bench.shared_tokens(calls) == {"all": 11 + 5, "equal": 7 + 5, "trie": 5 + 5,
+                                        "cached": 5 + 2}
+  out = tmp_path / "sharing.json"
+  assert bench.main(["--env", "alfworld", "--tasks", "1", "--group-size", "3", "--max-steps",
+                     "3", "--epsilon", "0.5", "--max-cache-len", "4096", "--out",
+                     str(out)]) == 0
+  (run,) = json.loads(out.read_text())["runs"]
+  assert run["calls"] == 3 and run["all"] >= run["equal"] >= run["trie"] >= run["cached"] > 0
+  for positions in run["positions"].values():
+    assert positions["plan"] >= run["equal"] and positions["with_stems"] <= positions["plan"]
+  assert "prefill rows" in capsys.readouterr().out

@@ -584,6 +584,83 @@ def test_shared_prompts_on_a_mesh(setup):
   assert got.prefilled_tokens == sum(len(p) for p in {tuple(p) for p in prompts})
 
 
+# Six distinct prompts in a call of 16 rows (the rest repeat them); ten distinct ones, no repeats.
+FINE_ROWS_CASES = {
+    "repeated": [[i + 1, (7 * i) % 90 + 2, 40 + i] for i in range(6)] * 2
+                + [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_A],
+    "distinct": [[i + 3, (11 * i) % 90 + 2, 50 + i, 9] for i in range(10)],
+}
+
+
+def _rows_pair(model, eos, **kw):
+  """The same sampler with a finer prefill batch bucket wherever it saves rows (a tiny model's
+  rows never cost split_min_flops) and with the call's batch buckets only; one batch each (a
+  length group of the finer rows is one too)."""
+  kw = dict(eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=CACHE, prompt_buckets=(8,),
+            batch_buckets=(1, 2, 4, 8, 16), split_lengths=False, **kw)
+  return (Sampler(model, split_min_flops=0, prefill_batch_buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+                  **kw),
+          Sampler(model, **kw))
+
+
+@pytest.mark.parametrize("case", list(FINE_ROWS_CASES))
+@pytest.mark.parametrize("share", [True, False])
+def test_prefill_rows_in_a_finer_bucket_sample_what_the_calls_batch_does(setup, case, share):
+  """A prefill of 9 or 10 distinct prompts pads them to 12 rows, not the call's 16, then copies
+  each row to its prompts' rows: the same tokens and log-probs for a fixed key."""
+  model, _, _, eos, _ = setup
+  fine, coarse = _rows_pair(model, eos, share_prompts=share)
+  prompts = FINE_ROWS_CASES[case]
+  kw = dict(max_new_tokens=MAX_NEW, temperature=1.0)
+  got = fine(prompts, jax.random.key(6), **kw)
+  want = coarse(prompts, jax.random.key(6), **kw)
+  _assert_same(got, want, rtol=1e-5)  # other matmul shapes, other f32 rounding
+  for g, w in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+  rows = {tuple(p) for p in prompts} if share else prompts
+  assert got.prefilled_tokens == sum(len(p) for p in rows)
+  distinct = len(rows)
+  plan = fine._plan(prompts, None, None, 16, MAX_NEW)
+  assert distinct in (9, 10, 16) and plan.tokens.shape[0] == (16 if distinct == 16 else 12)
+  if distinct < 16:  # each prompt's row copies its own prefilled row
+    for i, p in enumerate(prompts):
+      row = plan.tokens[plan.expand[i]]
+      assert row[len(row) - len(p):].tolist() == p
+
+
+def test_prefill_rows_take_a_finer_bucket_only_where_it_pays(setup):
+  """The finer bucket is taken when the rows it saves cost split_min_flops (2 FLOPs a parameter
+  a position), never for a tiny model by default; calls of 9 to 12 distinct prompts share one
+  prefill program; a kept cache's continuation keeps the call's buckets; bad buckets raise."""
+  model, _, _, eos, _ = setup
+  prompts = FINE_ROWS_CASES["distinct"]
+  params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  saved = 2 * params * (16 - 12) * 8  # four rows of the 8-token bucket
+  for flops, rows in ((saved, 12), (saved + 1, 16)):
+    s = Sampler(model, eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=CACHE,
+                prompt_buckets=(8,), batch_buckets=(1, 2, 4, 8, 16), split_min_flops=flops,
+                split_lengths=False)
+    assert s._plan(prompts, None, None, 16, MAX_NEW).tokens.shape[0] == rows
+  default = Sampler(model, eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=CACHE,
+                    prompt_buckets=(8,), batch_buckets=(1, 2, 4, 8, 16))
+  assert default.prefill_batch_buckets[:8] == (1, 2, 3, 4, 6, 8, 12, 16)
+  assert default._plan(prompts, None, None, 16, MAX_NEW).tokens.shape[0] == 16
+  fine, _ = _rows_pair(model, eos)
+  fine(prompts, jax.random.key(0), max_new_tokens=4, greedy=True)
+  traced = fine.num_traces
+  fine(prompts[:9] + prompts[:2], jax.random.key(1), max_new_tokens=4, greedy=True)
+  assert fine.num_traces == traced  # 9 distinct of 11 rows: the same 12-row prefill and copy
+  out = fine(prompts, jax.random.key(0), max_new_tokens=4, greedy=True, keep_cache=True)
+  grown = _grow(prompts, out, [[3]] * len(prompts))
+  kept = fine._kept
+  plan = fine._plan(grown, list(range(len(grown))), kept, 16, MAX_NEW)
+  assert plan.rows is not None and plan.tokens.shape[0] == 16  # continued: the call's bucket
+  for bad in ((), (0, 4)):
+    with pytest.raises(ValueError, match="prefill_batch_buckets"):
+      Sampler(model, eos_token_ids=[eos], pad_token_id=PAD, max_cache_len=CACHE,
+              prefill_batch_buckets=bad)
+
+
 def test_decode_compiles_once_for_every_prompt_bucket(setup):
   """The decode program's shapes hold no prompt length: a new prompt bucket compiles a prefill
   only."""
@@ -640,8 +717,8 @@ def test_length_groups_sample_what_one_padded_batch_does(setup, case, greedy):
 
 def test_length_groups_are_chosen_where_they_save_padding(setup):
   """The plan: groups only when they save at least 15% of the padded positions, with no more
-  rows in all than one batch; each group's bucket holds its longest prompt; every prompt's row
-  gathers its own prefilled row."""
+  rows in all than one batch (each group's rows in the finer prefill buckets); each group's
+  bucket holds its longest prompt; every prompt's row gathers its own prefilled row."""
   model, _, _, eos, _ = setup
   grouped, _ = _length_pair(model, eos)
   prompts = LENGTH_CASES["three lengths"]
@@ -652,9 +729,9 @@ def test_length_groups_are_chosen_where_they_save_padding(setup):
   longest = [max(len(prompts[i]) for i in g) for g in groups]
   assert longest == sorted(longest)
   assert [pb for _, pb in split] == [grouped._prompt_bucket(m, MAX_NEW) for m in longest]
-  cost = sum(grouped._pad_batch(len(g)) * pb for g, pb in split)
+  cost = sum(grouped._prefill_batch(len(g), pb) * pb for g, pb in split)
   assert cost <= 0.85 * 8 * 32
-  assert sum(grouped._pad_batch(len(g)) for g in groups) <= 8
+  assert sum(grouped._prefill_batch(len(g), pb) for g, pb in split) <= 8
   plan = grouped._plan(prompts, None, None, 8, MAX_NEW)
   assert plan.groups is not None
   rows = [row for part in plan.groups for row in part[0]]  # the groups' token rows, in turn
@@ -663,11 +740,15 @@ def test_length_groups_are_chosen_where_they_save_padding(setup):
     assert row[len(row) - len(p):].tolist() == p and not row[:len(row) - len(p)].any()
   # every group ends at the slot of the longest group's bucket
   assert {cursor + part.shape[1] for part, _, _, cursor in plan.groups} == {32}
-  # only when the positions saved cost split_min_flops (2 FLOPs a parameter a position)
+  # only when the positions saved cost split_min_flops (2 FLOPs a parameter a position); rows
+  # in the call's buckets here, so that the bar gates the groups alone
   params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  saved = 8 * 32 - cost
+  coarse = dict(LENGTH_SAMPLER, prefill_batch_buckets=LENGTH_SAMPLER["batch_buckets"])
+  split = Sampler(model, eos_token_ids=[eos], split_min_flops=0, **coarse)._length_groups(
+      prompts, 8, MAX_NEW)
+  saved = 8 * 32 - sum(grouped._pad_batch(len(g)) * pb for g, pb in split)
   for flops, grouped_too in ((2 * params * saved, True), (2 * params * saved + 1, False)):
-    gated = Sampler(model, eos_token_ids=[eos], split_min_flops=flops, **LENGTH_SAMPLER)
+    gated = Sampler(model, eos_token_ids=[eos], split_min_flops=flops, **coarse)
     assert (gated._length_groups(prompts, 8, MAX_NEW) is not None) == grouped_too
   default = Sampler(model, eos_token_ids=[eos], **LENGTH_SAMPLER)
   assert default._length_groups(prompts, 8, MAX_NEW) is None  # tiny: never worth it
