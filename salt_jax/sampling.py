@@ -245,6 +245,14 @@ def length_buckets(shortest: int, longest: int, per_doubling: int = 1) -> list[i
   return out
 
 
+def _batch_sizes(name: str, sizes: Sequence[int]) -> tuple[int, ...]:
+  """`sizes` sorted, as a tuple; a ValueError naming `name` when it is empty or not positive."""
+  out = tuple(sorted(int(b) for b in sizes))
+  if not out or out[0] < 1:
+    raise ValueError(f"{name} must be positive sizes, got {sizes}")
+  return out
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
   """Smallest bucket >= n, or None."""
   fits = [b for b in buckets if b >= n]
@@ -433,8 +441,7 @@ class Sampler:
         prompts to instead of the call's `batch_buckets`, where the rows that saves cost at
         least `split_min_flops`: a prefill's work grows with its rows, a decode step's hardly
         (it reads every weight whatever the rows), so the decode keeps the coarser buckets and
-        their fewer programs. A rollout's calls hold 9 or 13 distinct prompts as often as 8
-        or 16. Default: `length_buckets(1, 512, 2)` (1, 2, 3, 4, 6, 8, 12, 16, 24, ...).
+        their fewer programs. Default: `length_buckets(1, 512, 2)` (1, 2, 3, 4, 6, 8, 12, ...).
     """
     eos = tuple(int(t) for t in np.atleast_1d(np.asarray(eos_token_ids, dtype=np.int64)))
     if not eos:
@@ -458,15 +465,10 @@ class Sampler:
                                       | {self.max_cache_len}))
     if self.cache_buckets[0] < 2:
       raise ValueError(f"cache_buckets must be lengths >= 2, got {cache_buckets}")
-    self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
-    if not self.batch_buckets or self.batch_buckets[0] < 1:
-      raise ValueError(f"batch_buckets must be positive sizes, got {batch_buckets}")
-    if prefill_batch_buckets is None:
-      prefill_batch_buckets = length_buckets(1, 512, 2)
-    self.prefill_batch_buckets = tuple(sorted(int(b) for b in prefill_batch_buckets))
-    if not self.prefill_batch_buckets or self.prefill_batch_buckets[0] < 1:
-      raise ValueError(f"prefill_batch_buckets must be positive sizes, got "
-                       f"{prefill_batch_buckets}")
+    self.batch_buckets = _batch_sizes("batch_buckets", batch_buckets)
+    self.prefill_batch_buckets = _batch_sizes(
+        "prefill_batch_buckets",
+        length_buckets(1, 512, 2) if prefill_batch_buckets is None else prefill_batch_buckets)
     self.cache_dtype = cache_dtype
     self.stop_check_every = int(stop_check_every)
     self.share_prompts = bool(share_prompts)
